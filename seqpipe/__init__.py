@@ -1,0 +1,22 @@
+"""seqpipe: pipeline parallelism for PyTorch ``nn.Sequential`` models.
+
+``Pipe`` runs a model split over several devices in one process; ``DistributedPipe``
+(imported lazily, it pulls in ``torch.distributed``) runs one stage per process.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from seqpipe.checkpoint import is_checkpointing, is_recomputing
+from seqpipe.pipe import Pipe
+
+__all__ = ["Pipe", "DistributedPipe", "is_checkpointing", "is_recomputing"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DistributedPipe":
+        from seqpipe.distributed import DistributedPipe
+
+        return DistributedPipe
+    raise AttributeError(f"module 'seqpipe' has no attribute {name!r}")

@@ -1,0 +1,95 @@
+"""BatchNorm whose running statistics see the whole mini-batch, not each micro-batch.
+
+A plain BatchNorm inside a pipeline updates its running mean and variance once per
+micro-batch, each time from a fraction of the batch, so the statistics drift from those
+of the unpipelined model. A deferred one normalises each micro-batch with its own
+statistics (as it must, having only that micro-batch) but only accumulates them, and
+updates the running statistics once the mini-batch is over: the same values a plain
+BatchNorm would reach on the whole mini-batch, with the unbiased variance PyTorch uses.
+"""
+from __future__ import annotations
+
+from typing import Dict, Type
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from seqpipe.checkpoint import is_recomputing
+
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """Mixed into a BatchNorm class by ``convert_deferred_batch_norm``; see the module doc."""
+
+    _count: int
+    _sum: Tensor
+    _m2: Tensor
+
+    def _reset_accumulators(self) -> None:
+        self._count = 0
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise with this micro-batch's statistics; remember them for ``commit``."""
+        if not (self.training and self.track_running_stats):
+            return super().forward(input)
+        self._check_input_dim(input)
+        if not is_recomputing():
+            self._accumulate(input)
+        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def _accumulate(self, input: Tensor) -> None:
+        dims = [d for d in range(input.dim()) if d != 1]
+        x = input.detach().to(torch.float64)
+        count = x.numel() // x.shape[1]
+        mean = x.mean(dims)
+        m2 = (x - mean.view(1, -1, *([1] * (x.dim() - 2)))).square().sum(dims)
+        if self._count:  # Chan et al.: merge two groups' means and squared deviations
+            total = self._count + count
+            delta = mean - self._sum / self._count
+            self._m2 += m2 + delta.square() * self._count * count / total
+            self._sum += mean * count
+        else:
+            self._m2, self._sum = m2, mean * count
+        self._count += count
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the accumulated mini-batch statistics into the running ones."""
+        if self._count == 0:
+            return
+        mean = self._sum / self._count
+        var = self._m2 / max(self._count - 1, 1)
+        self.num_batches_tracked += 1  # type: ignore[operator]
+        momentum = self.momentum
+        factor = 1.0 / float(self.num_batches_tracked) if momentum is None else momentum
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(var.to(self.running_var.dtype), alpha=factor)
+        self._reset_accumulators()
+
+
+_classes: Dict[type, Type[DeferredBatchNorm]] = {}
+
+
+def _deferred_class(cls: type) -> Type[DeferredBatchNorm]:
+    if cls not in _classes:
+        _classes[cls] = type(f"Deferred{cls.__name__}", (DeferredBatchNorm, cls), {})
+    return _classes[cls]
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """Turn every BatchNorm in ``module`` into a deferred one, in place.
+
+    The layers stay the same objects (their class gains the deferred behaviour), so
+    parameters, buffers, ``state_dict`` keys and ``isinstance`` checks are unchanged.
+    SyncBatchNorm and BatchNorms without running statistics are left alone.
+    """
+    for layer in module.modules():
+        if (isinstance(layer, _BatchNorm) and not isinstance(layer, DeferredBatchNorm)
+                and not isinstance(layer, nn.SyncBatchNorm) and layer.track_running_stats):
+            layer.__class__ = _deferred_class(type(layer))
+            layer._reset_accumulators()  # type: ignore[attr-defined]
+    return module

@@ -1,0 +1,92 @@
+"""Per-micro-batch activation checkpointing, and the flags layers can read.
+
+Built on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the non-reentrant
+form keeps the autograd graph whole (so it composes with DistributedDataParallel, which
+the reentrant form breaks with "Expected to mark a variable ready only once"), restores
+RNG state for the recomputation, and its ``context_fn`` is where the flags below are set.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple
+
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from seqpipe.rng import isolated_rng
+
+__all__ = ["MODES", "check_mode", "checkpoint_stop", "is_checkpointing", "is_recomputing",
+           "run_task"]
+
+MODES = ("always", "except_last", "never")
+
+_flags = threading.local()
+
+
+def is_checkpointing() -> bool:
+    """True while a checkpointed micro-batch runs its first (activation-free) forward."""
+    return getattr(_flags, "checkpointing", False)
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed micro-batch is recomputed for its backward.
+
+    Layers with side effects (updating running statistics, counting steps) should skip
+    them here, since the same micro-batch already ran once.
+    """
+    return getattr(_flags, "recomputing", False)
+
+
+@contextmanager
+def _flag(name: str) -> Iterator[None]:
+    previous = getattr(_flags, name, False)
+    setattr(_flags, name, True)
+    try:
+        yield
+    finally:
+        setattr(_flags, name, previous)
+
+
+def check_mode(mode: object) -> str:
+    """Validate a ``checkpoint`` argument."""
+    if mode not in MODES:
+        raise ValueError(
+            f"checkpoint must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def checkpoint_stop(mode: str, num_microbatches: int) -> int:
+    """How many leading micro-batches are checkpointed under ``mode``."""
+    return {"always": num_microbatches, "except_last": num_microbatches - 1,
+            "never": 0}[mode]
+
+
+def _rng(seed: Optional[int]) -> ContextManager[None]:
+    return nullcontext() if seed is None else isolated_rng(seed)
+
+
+@contextmanager
+def _entered(*contexts: ContextManager[Any]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
+def run_task(function: Callable[..., Any], args: Tuple[Any, ...], *, checkpoint: bool,
+             seed: Optional[int]) -> Any:
+    """Run one (stage, micro-batch) forward, checkpointed or not.
+
+    ``seed`` selects a private random stream (see ``seqpipe.rng``); ``None`` keeps the
+    global generators, whose state the checkpoint saves and restores itself.
+    """
+    if not checkpoint:
+        with _rng(seed):
+            return function(*args)
+
+    def contexts() -> Tuple[ContextManager[None], ContextManager[None]]:
+        return (_entered(_flag("checkpointing"), _rng(seed)),
+                _entered(_flag("recomputing"), _rng(seed)))
+
+    return torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts,
+                            preserve_rng_state=seed is None)

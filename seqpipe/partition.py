@@ -1,0 +1,111 @@
+"""Split an ``nn.Sequential`` into partitions, by ``balance`` or by where its layers sit.
+
+Partitions are ``nn.Sequential`` views over the user's own layer objects: nothing is
+copied, so parameters keep their identity and an optimizer built before wrapping keeps
+working.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+__all__ = ["Device", "verify_module", "split_by_balance", "split_by_placement",
+           "layer_device", "default_devices"]
+
+Device = Union[str, int, torch.device]
+
+
+def verify_module(module: object) -> None:
+    """Raise unless ``module`` is an ``nn.Sequential`` of distinct, non-empty layers."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"seqpipe needs an nn.Sequential, got {type(module).__name__}; "
+            f"wrap the layers in nn.Sequential(...)")
+    if len(module) == 0:
+        raise ValueError("the nn.Sequential is empty; give it at least one layer")
+    seen: dict = {}
+    for name, layer in module.named_children():
+        if id(layer) in seen:
+            raise ValueError(
+                f"layers '{seen[id(layer)]}' and '{name}' are the same module object; "
+                f"a pipeline cannot place one layer in two positions — use separate copies")
+        seen[id(layer)] = name
+
+
+def default_devices(count: int) -> List[torch.device]:
+    """The visible CUDA devices, or ``cpu`` for every partition when there is no GPU."""
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")] * count
+
+
+def _check_balance(module: nn.Sequential, balance: Sequence[int]) -> List[int]:
+    balance = list(balance)
+    if not balance:
+        raise ValueError("balance is empty; give the number of layers of each partition")
+    if any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in balance):
+        raise ValueError(
+            f"every entry of balance must be a positive int, got {balance}; "
+            f"each partition needs at least one layer")
+    if sum(balance) != len(module):
+        raise ValueError(
+            f"balance {balance} sums to {sum(balance)} but the module has {len(module)} "
+            f"layers; the entries must add up to {len(module)}")
+    return balance
+
+
+def split_by_balance(module: nn.Sequential, balance: Sequence[int],
+                     devices: Optional[Sequence[Device]] = None,
+                     ) -> Tuple[List[nn.Sequential], List[int], List[torch.device]]:
+    """Cut ``module`` into ``len(balance)`` partitions and move each to its device."""
+    balance = _check_balance(module, balance)
+    resolved = default_devices(len(balance)) if devices is None else [
+        torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+    if len(resolved) < len(balance):
+        raise IndexError(
+            f"{len(balance)} partitions need {len(balance)} devices, got {len(resolved)}; "
+            f"pass more devices or fewer balance entries")
+    layers = list(module.children())
+    partitions, start = [], 0
+    for count, device in zip(balance, resolved):
+        part = nn.Sequential(*layers[start:start + count])
+        part.to(device)
+        partitions.append(part)
+        start += count
+    return partitions, balance, resolved[:len(balance)]
+
+
+def layer_device(layer: nn.Module, name: str = "") -> Optional[torch.device]:
+    """The one device of a layer's parameters and buffers, ``None`` if it has neither."""
+    devices = {t.device for t in (*layer.parameters(), *layer.buffers())}
+    if len(devices) > 1:
+        listed = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(
+            f"layer '{name}' ({type(layer).__name__}) has parameters on several devices "
+            f"({listed}); a layer must sit on one device — move it, or give balance and "
+            f"devices to let Pipe place it")
+    return devices.pop() if devices else None
+
+
+def split_by_placement(module: nn.Sequential,
+                       ) -> Tuple[List[nn.Sequential], List[int], List[torch.device]]:
+    """Partition by existing placement: consecutive layers on one device form a partition.
+
+    Layers without parameters or buffers (activations, pooling) join the partition of the
+    layer before them, or of the first placed layer when they come first.
+    """
+    named = list(module.named_children())
+    placed = [layer_device(layer, name) for name, layer in named]
+    known = [d for d in placed if d is not None]
+    current = known[0] if known else torch.device("cpu")
+    groups: List[Tuple[torch.device, List[nn.Module]]] = []
+    for (_, layer), device in zip(named, placed):
+        device = device or current
+        if not groups or groups[-1][0] != device:
+            groups.append((device, []))
+        groups[-1][1].append(layer)
+        current = device
+    partitions = [nn.Sequential(*layers) for _, layers in groups]
+    return partitions, [len(layers) for _, layers in groups], [d for d, _ in groups]

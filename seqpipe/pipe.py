@@ -1,0 +1,191 @@
+"""``Pipe``: an ``nn.Sequential`` split over devices and run as a micro-batch pipeline."""
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from seqpipe.batchnorm import convert_deferred_batch_norm
+from seqpipe.checkpoint import check_mode, checkpoint_stop
+from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
+from seqpipe.partition import Device, split_by_balance, split_by_placement, verify_module
+from seqpipe.pipeline import LocalPipeline, LocalRun
+from seqpipe.skip.layout import SkipLayout, inspect_skip_layout
+from seqpipe.stage import Stage
+
+__all__ = ["Pipe"]
+
+
+def _check_chunks(chunks: object) -> int:
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
+        raise ValueError(f"chunks must be a positive int (the number of micro-batches), "
+                         f"got {chunks!r}")
+    return chunks
+
+
+def build_stages(partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
+                 layout: SkipLayout) -> List[Stage]:
+    """Stages over partitions, each told which skip names leave or enter it."""
+    crossing = {skip.key for skip in layout if skip.crosses}
+    return [Stage(i, part, dev, crossing.__contains__)
+            for i, (part, dev) in enumerate(zip(partitions, devices))]
+
+
+class _PipeFunction(torch.autograd.Function):
+    """Joins the pipeline to the caller's autograd graph.
+
+    Its inputs are the mini-batch tensors and every trainable parameter, so autograd
+    hands it the output gradient once and accumulates each parameter's gradient once
+    (the sum over micro-batches) — exactly one accumulation per parameter, as in the
+    unpipelined model, which is what DistributedDataParallel's reducer expects.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, call: "_Call", *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        outputs = call.forward()
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(t for t in outputs
+                                      if not (t.is_floating_point() or t.is_complex())))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        return (None, *ctx.call.backward(grads))
+
+
+class _Call:
+    """One call of a Pipe: micro-batches in, gathered output out, and its backward."""
+
+    def __init__(self, pipe: "Pipe", batch: Batch, params: List[nn.Parameter],
+                 grad: bool) -> None:
+        self.pipe, self.batch, self.params, self.grad = pipe, batch, params, grad
+        self.microbatches = scatter(batch.value, pipe.chunks)
+        if not self.microbatches:
+            raise ValueError("the input batch is empty (size 0 on dim 0); a pipeline needs "
+                             "at least one sample")
+        self.run: Optional[LocalRun] = None
+        self.atomic = True
+
+    def forward(self) -> Tuple[Tensor, ...]:
+        mode = self.pipe.checkpoint if self.pipe.training and self.grad else "never"
+        stop = checkpoint_stop(mode, len(self.microbatches))
+        self.run = self.pipe._pipeline.forward(self.microbatches, grad=self.grad,
+                                               checkpoint_stop=stop)
+        outputs = [b for b in self.run.outputs if b is not None]
+        self.atomic = outputs[0].atomic
+        self.run.outputs = []
+        gathered = gather(outputs)
+        return (gathered,) if isinstance(gathered, Tensor) else tuple(gathered)
+
+    def backward(self, grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+        assert self.run is not None
+        sizes = [b.tensors[0].shape[0] for b in self.microbatches]
+        per_mb = [tuple(None if g is None else g.split(sizes)[i] for g in grads)
+                  for i in range(len(sizes))]
+        sums = self.pipe._pipeline.backward(self.run, per_mb)
+        input_grads = [self._input_grad(j, t) for j, t in enumerate(self.batch.tensors)]
+        return input_grads + [sums.sums.get(p) for p in self.params]
+
+    def _input_grad(self, j: int, tensor: Tensor) -> Optional[Tensor]:
+        assert self.run is not None
+        pieces = [g[j] if g else None for g in self.run.input_grads]
+        if not tensor.requires_grad or all(p is None for p in pieces):
+            return None
+        filled = [torch.zeros_like(mb.tensors[j]) if p is None else p.to(tensor.device)
+                  for p, mb in zip(pieces, self.microbatches)]
+        return torch.cat(filled)
+
+
+class Pipe(nn.Module):
+    """Wraps an ``nn.Sequential`` so it runs as a pipeline over one or more devices.
+
+    The module is wrapped in place: its layers stay the same objects, registered under
+    the same names, so ``state_dict()`` keys are exactly the Sequential's and an optimizer
+    built before wrapping keeps working. With ``balance`` the layers are split into
+    ``len(balance)`` partitions and moved to ``devices``; without it, partitions follow
+    where the layers already are. Each mini-batch is cut into ``chunks`` micro-batches
+    that flow through the partitions in a fill-drain (GPipe) pipeline.
+
+    Args:
+        module: the model; must be an ``nn.Sequential``.
+        chunks: number of micro-batches per mini-batch (fewer if the batch is smaller).
+        checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or
+            ``"never"``: which micro-batches drop their activations and recompute them in
+            backward. Off in eval mode and under ``torch.no_grad()``.
+        deferred_batch_norm: update BatchNorm running statistics once per mini-batch,
+            from all its micro-batches, instead of once per micro-batch.
+        balance: number of layers in each partition.
+        devices: a device per partition; defaults to the visible GPUs, or ``cpu``.
+    """
+
+    def __init__(self, module: nn.Sequential, chunks: int = 1, checkpoint: str = "except_last",
+                 deferred_batch_norm: bool = False, *, balance: Optional[Sequence[int]] = None,
+                 devices: Optional[Sequence[Device]] = None) -> None:
+        super().__init__()
+        verify_module(module)
+        self.chunks = _check_chunks(chunks)
+        self.checkpoint = check_mode(checkpoint)
+        if balance is None:
+            if devices is not None:
+                raise ValueError("devices is given without balance; give balance too, or "
+                                 "place the layers yourself and pass neither")
+            partitions, balance, placed = split_by_placement(module)
+        else:
+            partitions, balance, placed = split_by_balance(module, balance, devices)
+        layout = inspect_skip_layout(module, balance)
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(module)
+        for name, layer in module.named_children():
+            self.add_module(name, layer)
+        self.balance: List[int] = list(balance)
+        self.devices: List[torch.device] = list(placed)
+        self.partitions: List[nn.Sequential] = partitions  # views: not registered twice
+        self._pipeline = LocalPipeline(build_stages(partitions, placed, layout), layout)
+
+    # -- the Sequential face -----------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        layers = list(self._modules.values())
+        return layers[index]  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def cuda(self, device: Any = None) -> "Pipe":
+        raise _moving_error()
+
+    def cpu(self) -> "Pipe":
+        raise _moving_error()
+
+    def to(self, *args: Any, **kwargs: Any) -> "Pipe":
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            raise _moving_error()
+        return super().to(*args, **kwargs)
+
+    # -- running -----------------------------------------------------------------------
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
+        """Run the mini-batch through the pipeline; the output is on the last device."""
+        batch = Batch.of(input)
+        params = [p for p in self.parameters() if p.requires_grad]
+        grad = torch.is_grad_enabled() and (
+            bool(params) or any(t.requires_grad for t in batch.tensors))
+        call = _Call(self, batch, params, grad)
+        if grad:
+            outputs = _PipeFunction.apply(call, *batch.tensors, *params)
+        else:
+            outputs = call.forward()
+        return outputs[0] if call.atomic else tuple(outputs)
+
+    def extra_repr(self) -> str:
+        return f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+
+
+def _moving_error() -> RuntimeError:
+    return RuntimeError("a Pipe's partitions are placed on their devices; moving the whole "
+                        "Pipe would undo that. Choose devices with Pipe(..., balance=..., "
+                        "devices=...) instead (dtype changes with .to(dtype) are fine)")

@@ -1,0 +1,191 @@
+"""The local engine: stages of one process, each driven by its own thread.
+
+A forward call runs every stage's forward actions of the fill-drain schedule; the
+matching backward call (from autograd, when the user backpropagates through the
+pipeline's output) runs their backward actions in reverse micro-batch order. Between
+stages a micro-batch is a device copy through the mailbox; a skip tensor goes straight
+from the stashing stage to the popping one, and its gradient straight back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from seqpipe.microbatch import Batch
+from seqpipe.rng import draw_seeds
+from seqpipe.schedule import Action, FillDrain, Schedule, backward_phase, forward_phase
+from seqpipe.skip.layout import SkipLayout
+from seqpipe.skip.tracker import SkipKey
+from seqpipe.stage import Grads, Received, Stage, TaskState, wants_grad
+from seqpipe.stream import move
+from seqpipe.worker import Mailbox, Program, ThreadState, run_groups
+
+__all__ = ["LocalPipeline", "LocalRun", "GradSums"]
+
+Optionals = Tuple[Optional[Tensor], ...]
+
+
+class GradSums:
+    """Parameter gradients summed over micro-batches, one owner thread per stage."""
+
+    def __init__(self) -> None:
+        self.sums: Dict[nn.Parameter, Tensor] = {}
+
+    def add(self, pairs: Sequence[Tuple[nn.Parameter, Tensor]]) -> None:
+        for param, grad in pairs:
+            if param in self.sums:
+                self.sums[param].add_(grad)
+            else:
+                self.sums[param] = grad
+
+
+@dataclass
+class LocalRun:
+    """One forward call's state, kept until its backward: per-task states and results."""
+
+    num_microbatches: int
+    grad: bool
+    states: Dict[Tuple[int, int], TaskState] = field(default_factory=dict)
+    outputs: List[Optional[Batch]] = field(default_factory=list)
+    input_grads: List[Optionals] = field(default_factory=list)
+
+
+class LocalPipeline:
+    """Runs the stages of one process; see the module docstring."""
+
+    def __init__(self, stages: Sequence[Stage], layout: SkipLayout,
+                 schedule: Schedule = FillDrain()) -> None:
+        self.stages = list(stages)
+        self.layout = layout
+        self.schedule = schedule
+        self.isolate_rng = sum(s.device.type == "cpu" for s in self.stages) > 1
+
+    @property
+    def devices(self) -> List[torch.device]:
+        return [s.device for s in self.stages]
+
+    def _actions(self, stage: int, m: int) -> List[Action]:
+        return list(self.schedule.actions(stage, len(self.stages), m))
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(self, batches: Sequence[Batch], *, grad: bool, checkpoint_stop: int) -> LocalRun:
+        """Run every micro-batch through every stage; outputs land in ``run.outputs``."""
+        m, k = len(batches), len(self.stages)
+        run = LocalRun(m, grad, outputs=[None] * m)
+        seeds = draw_seeds(m * k) if self.isolate_rng else None
+        mailbox = Mailbox()
+        for i, batch in enumerate(batches):
+            flags = tuple(wants_grad(t) for t in batch.tensors)
+            moved = tuple(move(t, self.devices[0]) for t in batch.tensors)
+            mailbox.put(("act", 0, i), (Batch(moved, batch.atomic), flags))  # type: ignore[arg-type]
+
+        def program(s: int) -> Program:
+            popped = [skip.key for skip in self.layout.skips_popped_by(s)]
+            stashed = {skip.key for skip in self.layout.skips_stashed_by(s)}
+
+            def ready(a: Action) -> bool:
+                i = a.microbatch
+                return mailbox.has(("act", s, i)) and all(
+                    mailbox.has(("skip", s, i, key)) for key in popped)
+
+            def execute(a: Action) -> None:
+                i = a.microbatch
+                inputs, flags = mailbox.take(("act", s, i))
+                skips = [mailbox.take(("skip", s, i, key)) for key in popped]
+                received = Received(inputs, dict(zip(popped, (t for t, _ in skips))),
+                                    flags + tuple(f for _, f in skips))
+                sent, state = self.stages[s].forward(
+                    received, grad=grad, checkpoint=grad and i < checkpoint_stop,
+                    seed=None if seeds is None else seeds[i * k + s])
+                if state is not None:
+                    run.states[(s, i)] = state
+                missing = stashed - set(sent.skips)
+                if missing:
+                    raise RuntimeError(
+                        f"skip {sorted(name for _, name in missing)} is declared and popped in "
+                        f"a later partition, but was not stashed for micro-batch {i}; a "
+                        f"skippable layer must stash every name it declares on every call")
+                self._send_forward(mailbox, run, s, i, sent.outputs, sent.skips)
+
+            return Program(s, forward_phase(self._actions(s, m)), ready, execute,
+                           self.stages[s].device)
+
+        run_groups([[program(s)] for s in range(k)], mailbox, ThreadState())
+        for stage in self.stages:
+            stage.finish_forward()
+        return run
+
+    def _send_forward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int, outputs: Batch,
+                      skips: Dict[SkipKey, Optional[Tensor]]) -> None:
+        if s + 1 < len(self.stages):
+            flags = tuple(wants_grad(t) for t in outputs.tensors)
+            moved = tuple(move(t, self.devices[s + 1]) for t in outputs.tensors)
+            mailbox.put(("act", s + 1, i), (Batch(moved, outputs.atomic), flags))  # type: ignore[arg-type]
+        else:
+            run.outputs[i] = Batch(tuple(t.detach() for t in outputs.tensors), outputs.atomic)
+        for key, tensor in skips.items():
+            dest = self.layout.pop_partition(*key)
+            mailbox.put(("skip", dest, i, key), (move(tensor, self.devices[dest]),
+                                                  wants_grad(tensor)))
+
+    # -- backward ----------------------------------------------------------------------
+    def backward(self, run: LocalRun, grad_outputs: Sequence[Optionals]) -> GradSums:
+        """Backpropagate ``grad_outputs`` (per micro-batch) through every stage.
+
+        Fills ``run.input_grads`` and returns the parameters' gradients summed over
+        micro-batches. CPU stages run on their own threads; accelerator stages run on the
+        calling thread, which owns their device's autograd queue during a backward.
+        """
+        if not run.states and run.grad:
+            raise RuntimeError(
+                "this pipeline output was already backpropagated; its activations are freed. "
+                "Run the forward again (there is no retain_graph for a Pipe)")
+        m, k = run.num_microbatches, len(self.stages)
+        run.input_grads = [()] * m
+        mailbox = Mailbox()
+        for i, grads in enumerate(grad_outputs):
+            mailbox.put(("grad", k - 1, i), grads)
+        sums = [GradSums() for _ in range(k)]
+
+        def program(s: int) -> Program:
+            stashed = [skip.key for skip in self.layout.skips_stashed_by(s)]
+
+            def ready(a: Action) -> bool:
+                i = a.microbatch
+                return mailbox.has(("grad", s, i)) and all(
+                    mailbox.has(("skipgrad", s, i, key)) for key in stashed)
+
+            def execute(a: Action) -> None:
+                i = a.microbatch
+                grads = mailbox.take(("grad", s, i))
+                skip_grads = {key: mailbox.take(("skipgrad", s, i, key)) for key in stashed}
+                received, params = self.stages[s].backward(run.states.pop((s, i)), grads,
+                                                           skip_grads)
+                sums[s].add(params)
+                self._send_backward(mailbox, run, s, i, received)
+
+            return Program(s, backward_phase(self._actions(s, m)), ready, execute,
+                           self.stages[s].device)
+
+        programs = [program(s) for s in range(k)]
+        inline = [p for p in programs if p.device.type != "cpu"]
+        threaded = [[p] for p in programs if p.device.type == "cpu"]
+        run_groups([inline, *threaded] if inline else threaded, mailbox)
+        total = GradSums()
+        for part in sums:  # a parameter shared by two stages gets both sums
+            total.add(list(part.sums.items()))
+        return total
+
+    def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,
+                       received: Grads) -> None:
+        if s > 0:
+            mailbox.put(("grad", s - 1, i),
+                        tuple(move(g, self.devices[s - 1]) for g in received.inputs))
+        else:
+            run.input_grads[i] = received.inputs
+        for key, grad in received.skips.items():
+            src = self.layout.stash_partition(*key)
+            mailbox.put(("skipgrad", src, i, key), move(grad, self.devices[src]))

@@ -1,0 +1,98 @@
+"""Where skip tensors live between the layer that stashes them and the one that pops them.
+
+A skippable layer never stores a skip tensor itself: it hands it to the *current skip
+tracker*. Outside a pipeline that is a plain per-thread dictionary, so a skippable model
+runs unchanged in an ordinary ``nn.Sequential``. Inside a pipeline the engine installs a
+tracker of its own for every (stage, micro-batch) task, which routes a skip tensor to the
+stage that pops it.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+from torch import Tensor
+
+from seqpipe.checkpoint import is_recomputing
+from seqpipe.skip.namespace import Namespace
+
+__all__ = ["SkipKey", "SkipTracker", "StageSkipTracker", "current_skip_tracker",
+           "use_skip_tracker"]
+
+SkipKey = Tuple[Namespace, str]
+
+
+class SkipTracker:
+    """Holds stashed skip tensors until they are popped.
+
+    The base tracker is a dictionary keyed by ``(namespace, name)``; the pipeline engine
+    subclasses it. ``stash`` may receive ``None`` (a skip that carries nothing).
+    """
+
+    def __init__(self) -> None:
+        self.tensors: Dict[SkipKey, Optional[Tensor]] = {}
+
+    def stash(self, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        """Keep ``tensor`` under ``(ns, name)`` until a later layer pops it."""
+        self.tensors[(ns, name)] = tensor
+
+    def pop(self, ns: Namespace, name: str) -> Optional[Tensor]:
+        """Return the tensor stashed under ``(ns, name)`` and forget it."""
+        try:
+            return self.tensors.pop((ns, name))
+        except KeyError:
+            raise RuntimeError(
+                f"skip '{name}' was popped before it was stashed; a layer that stashes "
+                f"'{name}' must run before the layer that pops it") from None
+
+
+_local = threading.local()
+
+
+def current_skip_tracker() -> SkipTracker:
+    """The tracker skippable layers talk to in this thread."""
+    tracker = getattr(_local, "tracker", None)
+    if tracker is None:
+        tracker = _local.tracker = SkipTracker()
+    return tracker
+
+
+@contextmanager
+def use_skip_tracker(tracker: SkipTracker) -> Iterator[None]:
+    """Make ``tracker`` the current one in this thread for the duration of the block."""
+    previous = getattr(_local, "tracker", None)
+    _local.tracker = tracker
+    try:
+        yield
+    finally:
+        _local.tracker = previous
+
+
+class StageSkipTracker(SkipTracker):
+    """The tracker of one (stage, micro-batch) task inside a pipeline.
+
+    A skip whose pop sits in the same partition stays in the local dictionary. A skip
+    that leaves the partition is collected in ``outgoing`` for the engine to send
+    straight to the popping partition; one that arrives from another partition is read
+    from ``received``. During a checkpoint's recomputation, outgoing stashes are ignored
+    (they were sent already) and received skips are handed out again.
+    """
+
+    def __init__(self, crossing: Callable[[SkipKey], bool],
+                 received: Dict[SkipKey, Optional[Tensor]]) -> None:
+        super().__init__()
+        self.crossing = crossing
+        self.received = received
+        self.outgoing: Dict[SkipKey, Optional[Tensor]] = {}
+
+    def stash(self, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        if not self.crossing((ns, name)):
+            super().stash(ns, name, tensor)
+        elif not is_recomputing():
+            self.outgoing[(ns, name)] = tensor
+
+    def pop(self, ns: Namespace, name: str) -> Optional[Tensor]:
+        if not self.crossing((ns, name)):
+            return super().pop(ns, name)
+        return self.received[(ns, name)]

@@ -1,0 +1,201 @@
+"""One stage of a pipeline: a partition's forward and backward, one micro-batch at a time.
+
+Both engines drive stages the same way. A stage receives its micro-batch input and the
+skip tensors popped in it, already on its device and cut from the sender's autograd
+graph; it runs its partition (checkpointed or not) and hands back its output and the
+skip tensors stashed for later partitions. For the backward it takes the gradients of
+what it sent and returns the gradients of what it received, plus its parameters'
+gradients. Cutting the graph at every boundary is what lets each stage's backward run
+on its own thread (local engine) or process (distributed engine), in the order a
+schedule says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from seqpipe.batchnorm import DeferredBatchNorm
+from seqpipe.checkpoint import run_task
+from seqpipe.microbatch import Batch
+from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
+
+__all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "wants_grad"]
+
+Crossing = Callable[[SkipKey], bool]
+
+
+def wants_grad(tensor: Optional[Tensor]) -> bool:
+    """Whether a tensor crossing a stage boundary carries a gradient back."""
+    return tensor is not None and tensor.requires_grad and (
+        tensor.is_floating_point() or tensor.is_complex())
+
+
+@dataclass
+class Received:
+    """What a stage gets for one micro-batch: its input and the skips popped in it.
+
+    ``grad_flags`` says, for each input tensor then each skip (in ``skips`` order), whether
+    the sender wants its gradient back.
+    """
+
+    inputs: Batch
+    skips: Dict[SkipKey, Optional[Tensor]]
+    grad_flags: Tuple[bool, ...]
+
+
+@dataclass
+class Sent:
+    """What a stage produced for one micro-batch: its output and outgoing skips."""
+
+    outputs: Batch
+    skips: Dict[SkipKey, Optional[Tensor]]
+
+
+@dataclass
+class Grads:
+    """Gradients flowing backward for one micro-batch: for a stage's inputs and skips."""
+
+    inputs: Tuple[Optional[Tensor], ...]
+    skips: Dict[SkipKey, Optional[Tensor]]
+
+
+class _Box:
+    """Carries received tensors into, and their gradients out of, ``_Receive``."""
+
+    def __init__(self, tensors: Sequence[Tensor], flags: Sequence[bool]) -> None:
+        self.tensors = tuple(tensors)
+        self.flags = tuple(flags)
+        self.grads: Tuple[Optional[Tensor], ...] = (None,) * len(self.tensors)
+
+
+class _Receive(torch.autograd.Function):
+    """Makes received tensors non-leaf graph nodes whose gradients land in a box.
+
+    The outputs are the received tensors themselves (no copy) but not leaves, so a first
+    layer may modify its input in place exactly as it could in the unpipelined model.
+    Their gradients are caught in the box rather than asked for by tensor, so they stay
+    right even when a layer rewrites a received tensor in place.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, box: _Box) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.box = box
+        ctx.set_materialize_grads(False)
+        outputs = tuple(t.detach() for t in box.tensors)
+        ctx.mark_non_differentiable(*(t for t, f in zip(outputs, box.flags) if not f))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, None]:  # type: ignore[override]
+        ctx.box.grads = grads
+        return None, None
+
+
+@dataclass
+class TaskState:
+    """What one (stage, micro-batch) forward keeps for its backward."""
+
+    phony: Optional[Tensor]
+    box: Optional[_Box]
+    num_inputs: int
+    skip_keys: Tuple[SkipKey, ...]
+    present: List[int] = field(default_factory=list)  # which received tensors were not None
+    roots: List[Optional[GradientEdge]] = field(default_factory=list)
+    skip_roots: Dict[SkipKey, Optional[GradientEdge]] = field(default_factory=dict)
+
+
+def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
+    return get_gradient_edge(tensor) if wants_grad(tensor) else None
+
+
+class Stage:
+    """A partition on its device, run one micro-batch task at a time."""
+
+    def __init__(self, index: int, partition: nn.Sequential, device: torch.device,
+                 crossing: Crossing) -> None:
+        self.index = index
+        self.partition = partition
+        self.device = device
+        self.crossing = crossing
+
+    def parameters(self) -> List[nn.Parameter]:
+        """The parameters that receive gradients, in a fixed order."""
+        return [p for p in self.partition.parameters() if p.requires_grad]
+
+    def _call(self, tracker: StageSkipTracker, atomic: bool) -> Callable[..., Any]:
+        def run(*tensors: Tensor) -> Any:
+            with use_skip_tracker(tracker):
+                return self.partition(Batch(tensors, atomic).value)
+        return run
+
+    def forward(self, received: Received, *, grad: bool, checkpoint: bool = False,
+                seed: Optional[int] = None) -> Tuple[Sent, Optional[TaskState]]:
+        """Run the partition on one micro-batch; with ``grad``, keep what backward needs."""
+        if not grad:
+            tracker = StageSkipTracker(self.crossing, dict(received.skips))
+            with torch.no_grad():
+                out = run_task(self._call(tracker, received.inputs.atomic),
+                               received.inputs.tensors, checkpoint=False, seed=seed)
+            return Sent(Batch.of(out), tracker.outgoing), None
+        with torch.enable_grad():  # also inside autograd.Function.forward, where it is off
+            return self._forward_with_grad(received, checkpoint, seed)
+
+    def _forward_with_grad(self, received: Received, checkpoint: bool,
+                           seed: Optional[int]) -> Tuple[Sent, TaskState]:
+        keys = tuple(received.skips)
+        incoming = [*received.inputs.tensors, *(received.skips[k] for k in keys)]
+        present = [i for i, t in enumerate(incoming) if t is not None]
+        state = TaskState(None, None, len(received.inputs), keys, present)
+        if any(received.grad_flags[i] for i in present):
+            state.box = _Box([incoming[i] for i in present],
+                             [received.grad_flags[i] for i in present])
+            state.phony = torch.empty(0, device=self.device, requires_grad=True)
+            for i, t in zip(present, _Receive.apply(state.phony, state.box)):
+                incoming[i] = t
+            state.box.tensors = ()  # the graph holds what it needs; drop our references
+        inputs = tuple(incoming[:state.num_inputs])
+        tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
+        out = run_task(self._call(tracker, received.inputs.atomic), inputs,
+                       checkpoint=checkpoint, seed=seed)
+        sent = Sent(Batch.of(out), tracker.outgoing)
+        state.roots = [_edge(t) for t in sent.outputs.tensors]
+        state.skip_roots = {k: _edge(t) for k, t in sent.skips.items()}
+        return sent, state
+
+    def backward(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
+                 skip_grads: Dict[SkipKey, Optional[Tensor]],
+                 ) -> Tuple[Grads, List[Tuple[nn.Parameter, Tensor]]]:
+        """Backpropagate one micro-batch; return input/skip gradients and parameter ones."""
+        pairs = [(r, g) for r, g in zip(state.roots, grad_outputs)
+                 if r is not None and g is not None]
+        pairs += [(state.skip_roots[k], g) for k, g in skip_grads.items()
+                  if state.skip_roots.get(k) is not None and g is not None]
+        params = self.parameters()
+        wrt: List[Tensor] = ([state.phony] if state.phony is not None else []) + params
+        param_grads: List[Tuple[nn.Parameter, Tensor]] = []
+        if pairs and wrt:
+            roots, grads = zip(*pairs)
+            result = torch.autograd.grad(list(roots), wrt, list(grads), allow_unused=True)
+            param_grads = [(p, g) for p, g in zip(params, result[len(wrt) - len(params):])
+                           if g is not None]
+        return self._received_grads(state), param_grads
+
+    @staticmethod
+    def _received_grads(state: TaskState) -> Grads:
+        width = state.num_inputs + len(state.skip_keys)
+        grads: List[Optional[Tensor]] = [None] * width
+        if state.box is not None:
+            for i, g in zip(state.present, state.box.grads):
+                grads[i] = g
+        skips = dict(zip(state.skip_keys, grads[state.num_inputs:]))
+        return Grads(tuple(grads[:state.num_inputs]), skips)
+
+    def finish_forward(self) -> None:
+        """End of a mini-batch's forwards: commit deferred BatchNorm statistics."""
+        for module in self.partition.modules():
+            if isinstance(module, DeferredBatchNorm):
+                module.commit()

@@ -1,0 +1,150 @@
+"""Threads that run stage programs, and the mailbox they exchange micro-batches through.
+
+A *program* is one stage's ordered list of actions for one phase. A worker thread runs a
+group of programs: usually one (a stage per thread, so CPU partitions overlap), or
+several on the calling thread when their backward must run there (accelerator stages,
+whose autograd work belongs to the engine's device threads). An action runs once its
+inputs are in the mailbox. If any action raises, the mailbox is marked failed, every
+other worker stops at its next wait, all threads are joined, and the original exception
+is raised on the caller with its own traceback, plus a note naming the stage and action.
+Threads live for one phase only, so none is left running after a call returns or raises.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
+
+import torch
+
+from seqpipe.schedule import Action
+
+__all__ = ["Mailbox", "Program", "run_groups", "ThreadState"]
+
+
+class _Aborted(Exception):
+    """Raised in a worker waiting for data when another worker has failed."""
+
+
+class Mailbox:
+    """Values in flight between the stages of one phase, keyed by whatever the engine likes."""
+
+    def __init__(self) -> None:
+        self._items: Dict[Hashable, Any] = {}
+        self._cond = threading.Condition()
+        self._failed = False
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._cond:
+            self._items[key] = value
+            self._cond.notify_all()
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._items
+
+    def take(self, key: Hashable) -> Any:
+        """Remove and return a value the caller knows is present."""
+        with self._cond:
+            return self._items.pop(key)
+
+    def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Block until ``predicate()`` holds; raise ``_Aborted`` if a worker failed."""
+        with self._cond:
+            while not self._failed and not predicate():
+                self._cond.wait()
+            if self._failed:
+                raise _Aborted()
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+
+@dataclass
+class Program:
+    """One stage's actions for one phase and how to run them."""
+
+    stage: int
+    actions: Sequence[Action]
+    ready: Callable[[Action], bool]
+    execute: Callable[[Action], None]
+    device: torch.device
+
+
+class ThreadState:
+    """Thread-local settings of the caller (autocast) replayed in each worker thread."""
+
+    def __init__(self) -> None:
+        self.autocast = [(kind, torch.get_autocast_dtype(kind))
+                         for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+
+    def enter(self, stack: ExitStack) -> None:
+        for kind, dtype in self.autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+
+
+def _device_context(device: torch.device) -> Any:
+    if device.type == "cpu" or device.index is None:
+        return ExitStack()
+    return torch.accelerator.device_index(device.index)
+
+
+def _drive(programs: List[Program], mailbox: Mailbox) -> None:
+    positions = [0] * len(programs)
+
+    def next_ready() -> Optional[int]:
+        for k, program in enumerate(programs):
+            if positions[k] < len(program.actions) and program.ready(
+                    program.actions[positions[k]]):
+                return k
+        return None
+
+    while any(p < len(prog.actions) for p, prog in zip(positions, programs)):
+        found: List[Optional[int]] = [None]
+
+        def ready() -> bool:
+            found[0] = next_ready()
+            return found[0] is not None
+        mailbox.wait_for(ready)
+        k = found[0]
+        assert k is not None
+        action = programs[k].actions[positions[k]]
+        try:
+            with _device_context(programs[k].device):
+                programs[k].execute(action)
+        except Exception as exc:
+            exc.add_note(f"seqpipe: raised by stage {programs[k].stage} in the "
+                         f"{action.phase.value} of micro-batch {action.microbatch}")
+            raise
+        positions[k] += 1
+
+
+def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
+               state: Optional[ThreadState] = None) -> None:
+    """Run each group of programs on its own thread (the first on the caller's)."""
+    errors: List[BaseException] = []
+
+    def work(group: List[Program]) -> None:
+        try:
+            with ExitStack() as stack:
+                if state is not None:
+                    state.enter(stack)
+                _drive(group, mailbox)
+        except _Aborted:
+            pass
+        except BaseException as exc:  # noqa: B902 - re-raised on the caller below
+            errors.append(exc)
+            mailbox.fail()
+
+    threads = [threading.Thread(target=work, args=(g,), daemon=True,
+                                name=f"seqpipe-stage-{g[0].stage}") for g in groups[1:] if g]
+    for thread in threads:
+        thread.start()
+    if groups and groups[0]:
+        work(groups[0])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
