@@ -1,7 +1,7 @@
 """``Pipe``: an ``nn.Sequential`` split over devices and run as a micro-batch pipeline."""
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn

@@ -57,10 +57,10 @@ class LocalPipeline:
     """Runs the stages of one process; see the module docstring."""
 
     def __init__(self, stages: Sequence[Stage], layout: SkipLayout,
-                 schedule: Schedule = FillDrain()) -> None:
+                 schedule: Optional[Schedule] = None) -> None:
         self.stages = list(stages)
         self.layout = layout
-        self.schedule = schedule
+        self.schedule = schedule or FillDrain()
         self.isolate_rng = sum(s.device.type == "cpu" for s in self.stages) > 1
 
     @property

@@ -126,8 +126,17 @@ class Stage:
         """The parameters that receive gradients, in a fixed order."""
         return [p for p in self.partition.parameters() if p.requires_grad]
 
-    def _call(self, tracker: StageSkipTracker, atomic: bool) -> Callable[..., Any]:
+    def _call(self, tracker: StageSkipTracker, atomic: bool,
+              protect: bool = False) -> Callable[..., Any]:
+        """The partition as a function of its input tensors.
+
+        With ``protect``, the inputs are copied inside the function: a checkpoint keeps
+        its inputs for the recomputation, and a first layer that works in place (say
+        ``ReLU(inplace=True)`` just after a partition boundary) would overwrite them.
+        """
         def run(*tensors: Tensor) -> Any:
+            if protect:
+                tensors = tuple(t.clone() for t in tensors)
             with use_skip_tracker(tracker):
                 return self.partition(Batch(tensors, atomic).value)
         return run
@@ -159,7 +168,8 @@ class Stage:
             state.box.tensors = ()  # the graph holds what it needs; drop our references
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
-        out = run_task(self._call(tracker, received.inputs.atomic), inputs,
+        protect = checkpoint and bool(getattr(self.partition[0], "inplace", False))
+        out = run_task(self._call(tracker, received.inputs.atomic, protect), inputs,
                        checkpoint=checkpoint, seed=seed)
         sent = Sent(Batch.of(out), tracker.outgoing)
         state.roots = [_edge(t) for t in sent.outputs.tensors]

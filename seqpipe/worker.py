@@ -93,23 +93,19 @@ def _device_context(device: torch.device) -> Any:
 
 def _drive(programs: List[Program], mailbox: Mailbox) -> None:
     positions = [0] * len(programs)
+    chosen: List[int] = []
 
-    def next_ready() -> Optional[int]:
+    def any_ready() -> bool:
         for k, program in enumerate(programs):
             if positions[k] < len(program.actions) and program.ready(
                     program.actions[positions[k]]):
-                return k
-        return None
+                chosen[:] = [k]
+                return True
+        return False
 
     while any(p < len(prog.actions) for p, prog in zip(positions, programs)):
-        found: List[Optional[int]] = [None]
-
-        def ready() -> bool:
-            found[0] = next_ready()
-            return found[0] is not None
-        mailbox.wait_for(ready)
-        k = found[0]
-        assert k is not None
+        mailbox.wait_for(any_ready)
+        k = chosen[0]
         action = programs[k].actions[positions[k]]
         try:
             with _device_context(programs[k].device):
