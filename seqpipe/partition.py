@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-__all__ = ["Device", "verify_module", "split_by_balance", "split_by_placement",
+__all__ = ["Device", "check_balance", "verify_module", "split_by_balance", "split_by_placement",
            "layer_device", "default_devices"]
 
 Device = Union[str, int, torch.device]
@@ -41,7 +41,8 @@ def default_devices(count: int) -> List[torch.device]:
     return [torch.device("cpu")] * count
 
 
-def _check_balance(module: nn.Sequential, balance: Sequence[int]) -> List[int]:
+def check_balance(module: nn.Sequential, balance: Sequence[int]) -> List[int]:
+    """Validate layer counts per partition against ``module``."""
     balance = list(balance)
     if not balance:
         raise ValueError("balance is empty; give the number of layers of each partition")
@@ -60,7 +61,7 @@ def split_by_balance(module: nn.Sequential, balance: Sequence[int],
                      devices: Optional[Sequence[Device]] = None,
                      ) -> Tuple[List[nn.Sequential], List[int], List[torch.device]]:
     """Cut ``module`` into ``len(balance)`` partitions and move each to its device."""
-    balance = _check_balance(module, balance)
+    balance = check_balance(module, balance)
     resolved = default_devices(len(balance)) if devices is None else [
         torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
     if len(resolved) < len(balance):

@@ -11,25 +11,20 @@ from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from seqpipe.partition import Device, split_by_balance, split_by_placement, verify_module
 from seqpipe.pipeline import LocalPipeline, LocalRun
-from seqpipe.skip.layout import SkipLayout, inspect_skip_layout
+from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
 
 __all__ = ["Pipe"]
 
 
-def _check_chunks(chunks: object) -> int:
+def check_chunks(chunks: object) -> int:
+    """Validate a ``chunks`` argument (shared with ``DistributedPipe``)."""
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
         raise ValueError(f"chunks must be a positive int (the number of micro-batches), "
                          f"got {chunks!r}")
     return chunks
 
 
-def build_stages(partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
-                 layout: SkipLayout) -> List[Stage]:
-    """Stages over partitions, each told which skip names leave or enter it."""
-    crossing = {skip.key for skip in layout if skip.crosses}
-    return [Stage(i, part, dev, crossing.__contains__)
-            for i, (part, dev) in enumerate(zip(partitions, devices))]
 
 
 class _PipeFunction(torch.autograd.Function):
@@ -125,7 +120,7 @@ class Pipe(nn.Module):
                  devices: Optional[Sequence[Device]] = None) -> None:
         super().__init__()
         verify_module(module)
-        self.chunks = _check_chunks(chunks)
+        self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
         if balance is None:
             if devices is not None:
@@ -142,7 +137,9 @@ class Pipe(nn.Module):
         self.balance: List[int] = list(balance)
         self.devices: List[torch.device] = list(placed)
         self.partitions: List[nn.Sequential] = partitions  # views: not registered twice
-        self._pipeline = LocalPipeline(build_stages(partitions, placed, layout), layout)
+        stages = [Stage(i, part, dev, layout)
+                  for i, (part, dev) in enumerate(zip(partitions, placed))]
+        self._pipeline = LocalPipeline(stages, layout)
 
     # -- the Sequential face -----------------------------------------------------------
     def __len__(self) -> int:

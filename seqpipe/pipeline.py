@@ -84,7 +84,6 @@ class LocalPipeline:
 
         def program(s: int) -> Program:
             popped = [skip.key for skip in self.layout.skips_popped_by(s)]
-            stashed = {skip.key for skip in self.layout.skips_stashed_by(s)}
 
             def ready(a: Action) -> bool:
                 i = a.microbatch
@@ -102,12 +101,6 @@ class LocalPipeline:
                     seed=None if seeds is None else seeds[i * k + s])
                 if state is not None:
                     run.states[(s, i)] = state
-                missing = stashed - set(sent.skips)
-                if missing:
-                    raise RuntimeError(
-                        f"skip {sorted(name for _, name in missing)} is declared and popped in "
-                        f"a later partition, but was not stashed for micro-batch {i}; a "
-                        f"skippable layer must stash every name it declares on every call")
                 self._send_forward(mailbox, run, s, i, sent.outputs, sent.skips)
 
             return Program(s, forward_phase(self._actions(s, m)), ready, execute,

@@ -21,6 +21,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from seqpipe.batchnorm import DeferredBatchNorm
 from seqpipe.checkpoint import run_task
 from seqpipe.microbatch import Batch
+from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
 
 __all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "wants_grad"]
@@ -116,11 +117,13 @@ class Stage:
     """A partition on its device, run one micro-batch task at a time."""
 
     def __init__(self, index: int, partition: nn.Sequential, device: torch.device,
-                 crossing: Crossing) -> None:
+                 layout: SkipLayout) -> None:
         self.index = index
         self.partition = partition
         self.device = device
-        self.crossing = crossing
+        self.layout = layout
+        self.crossing: Crossing = frozenset(k.key for k in layout if k.crosses).__contains__
+        self.outgoing = frozenset(k.key for k in layout.skips_stashed_by(index))
 
     def parameters(self) -> List[nn.Parameter]:
         """The parameters that receive gradients, in a fixed order."""
@@ -149,9 +152,18 @@ class Stage:
             with torch.no_grad():
                 out = run_task(self._call(tracker, received.inputs.atomic),
                                received.inputs.tensors, checkpoint=False, seed=seed)
-            return Sent(Batch.of(out), tracker.outgoing), None
+            return self._sent(out, tracker), None
         with torch.enable_grad():  # also inside autograd.Function.forward, where it is off
             return self._forward_with_grad(received, checkpoint, seed)
+
+    def _sent(self, out: Any, tracker: StageSkipTracker) -> Sent:
+        missing = self.outgoing - set(tracker.outgoing)
+        if missing:
+            raise RuntimeError(
+                f"skip {sorted(name for _, name in missing)} is popped in a later partition "
+                f"but was not stashed in this call; a skippable layer must stash every "
+                f"name it declares each time it runs (stash None to send nothing)")
+        return Sent(Batch.of(out), tracker.outgoing)
 
     def _forward_with_grad(self, received: Received, checkpoint: bool,
                            seed: Optional[int]) -> Tuple[Sent, TaskState]:
@@ -171,7 +183,7 @@ class Stage:
         protect = checkpoint and bool(getattr(self.partition[0], "inplace", False))
         out = run_task(self._call(tracker, received.inputs.atomic, protect), inputs,
                        checkpoint=checkpoint, seed=seed)
-        sent = Sent(Batch.of(out), tracker.outgoing)
+        sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
         state.skip_roots = {k: _edge(t) for k, t in sent.skips.items()}
         return sent, state

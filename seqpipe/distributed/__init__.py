@@ -1,0 +1,7 @@
+"""Pipelines across processes: one stage per rank over ``torch.distributed``."""
+from __future__ import annotations
+
+from seqpipe.distributed.pipe import DistributedPipe
+from seqpipe.distributed.transport import PeerError
+
+__all__ = ["DistributedPipe", "PeerError"]

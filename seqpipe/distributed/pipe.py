@@ -1,0 +1,257 @@
+"""``DistributedPipe``: one pipeline stage per process, over ``torch.distributed``."""
+from __future__ import annotations
+
+import zlib
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from seqpipe.batchnorm import convert_deferred_batch_norm
+from seqpipe.checkpoint import check_mode, checkpoint_stop
+from seqpipe.distributed.step import Call, LossFn, describe
+from seqpipe.distributed.transport import Kind, Transport
+from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
+from seqpipe.partition import check_balance, verify_module
+from seqpipe.pipe import check_chunks
+from seqpipe.pipeline import GradSums
+from seqpipe.schedule import Action, Phase, Schedule, forward_phase, get_schedule, validate_schedule
+from seqpipe.skip.layout import inspect_skip_layout
+from seqpipe.stage import Stage
+
+__all__ = ["DistributedPipe"]
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _materialize(partition: nn.Module, device: torch.device) -> None:
+    """Give layers built on the ``meta`` device real storage, freshly initialised."""
+    if not any(t.is_meta for t in (*partition.parameters(), *partition.buffers())):
+        partition.to(device)
+        return
+    partition.to_empty(device=device)
+    for module in partition.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def _fingerprint(module: nn.Sequential, config: Tuple[Any, ...]) -> int:
+    """A checksum of the model's structure and the pipeline's settings, equal on every rank."""
+    parts = [repr(config)]
+    for name, layer in module.named_children():
+        shapes = [(n, tuple(t.shape), str(t.dtype))
+                  for n, t in (*layer.named_parameters(), *layer.named_buffers())]
+        parts.append(f"{name}:{type(layer).__qualname__}:{shapes}")
+    return zlib.crc32("\n".join(parts).encode()) & 0x7FFFFFFF
+
+
+class DistributedPipe(nn.Module):
+    """One stage of a pipeline that spans processes; every rank builds it the same way.
+
+    The rank's index in ``group`` (default: the whole world) is its stage. It keeps only
+    its own layers, on ``device``, registered under their names in the original
+    ``nn.Sequential`` (so ``state_dict()`` keys are ``"4.weight"``, and the ranks' state
+    dicts together are the unpipelined model's); the other layers are moved to the
+    ``meta`` device, which frees them.
+
+    Args:
+        module: the whole model, the same on every rank (``meta`` tensors are fine).
+        chunks: micro-batches per mini-batch (fewer if the batch is smaller).
+        balance: layers per stage; one entry per rank of ``group``. Default: split by
+            parameter count.
+        schedule: ``"1f1b"``, ``"fill_drain"``, or any ``seqpipe.schedule.Schedule``.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        deferred_batch_norm: BatchNorm running statistics once per mini-batch.
+        group: the pipeline's process group.
+        device: where this stage runs (default: the current CUDA device, else CPU).
+        data_parallel_group: replicas of this stage; gradients are averaged over it.
+    """
+
+    def __init__(self, module: nn.Sequential, chunks: int = 1, *,
+                 balance: Optional[Sequence[int]] = None,
+                 schedule: Union[str, Schedule] = "1f1b", checkpoint: str = "except_last",
+                 deferred_batch_norm: bool = False, group: Optional[dist.ProcessGroup] = None,
+                 device: Union[str, torch.device, None] = None,
+                 data_parallel_group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        verify_module(module)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedPipe needs torch.distributed: call "
+                               "torch.distributed.init_process_group() first (or launch with "
+                               "torchrun), or use seqpipe.Pipe for one process")
+        self.group = group
+        self.num_stages = dist.get_world_size(group)
+        self.stage_index = dist.get_rank(group)
+        if self.stage_index < 0:
+            raise ValueError("this rank is not a member of the pipeline group")
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = check_mode(checkpoint)
+        self.schedule = get_schedule(schedule)
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.balance = self._resolve_balance(module, balance)
+        validate_schedule(self.schedule, self.num_stages, self.chunks)
+        layout = inspect_skip_layout(module, self.balance)
+        self._check_same_everywhere(module)
+        start = sum(self.balance[:self.stage_index])
+        stop = start + self.balance[self.stage_index]
+        named = list(module.named_children())
+        for n, (name, layer) in enumerate(named):
+            if start <= n < stop:
+                self.add_module(name, layer)
+            else:
+                layer.to("meta")  # not ours: free it
+        partition = nn.Sequential(*(layer for _, layer in named[start:stop]))
+        _materialize(partition, self.device)
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(partition)
+        self.partition = partition
+        self._stage = Stage(self.stage_index, partition, self.device, layout)
+        self._layout = layout
+        self._transport = Transport(group, self.device)
+        self.data_parallel_group = data_parallel_group
+        self._validated = {self.chunks}
+
+    def _resolve_balance(self, module: nn.Sequential,
+                         balance: Optional[Sequence[int]]) -> List[int]:
+        if balance is None:
+            from seqpipe.balance import balance_by_params
+
+            return balance_by_params(self.num_stages, module)
+        balance = check_balance(module, balance)
+        if len(balance) != self.num_stages:
+            raise ValueError(
+                f"balance has {len(balance)} entries but the pipeline group has "
+                f"{self.num_stages} ranks; give one entry per rank (stage)")
+        return balance
+
+    def _check_same_everywhere(self, module: nn.Sequential) -> None:
+        config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
+                  self.num_stages)
+        mine = torch.tensor([_fingerprint(module, config)], dtype=torch.int64,
+                            device=self.device)
+        everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
+        dist.all_gather(everyone, mine, group=self.group)
+        values = [int(t.item()) for t in everyone]
+        odd = [s for s, v in enumerate(values) if v != values[0]]
+        if odd:
+            raise ValueError(
+                f"stages {odd} built a different model or pipeline settings than stage 0 "
+                f"(layers, parameter shapes, balance, chunks, checkpoint or schedule differ); "
+                f"every rank must construct DistributedPipe from the same model and arguments")
+
+    # -- running -----------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def _actions(self, m: int) -> List[Action]:
+        if m not in self._validated:
+            validate_schedule(self.schedule, self.num_stages, m)
+            self._validated.add(m)
+        return list(self.schedule.actions(self.stage_index, self.num_stages, m))
+
+    def _open(self, call: Call, input: Optional[TensorOrTensors]) -> List[Batch]:
+        """Stage 0 cuts the batch and tells every stage how many micro-batches there are."""
+        if self.is_first:
+            if input is None:
+                raise ValueError("stage 0 needs the input batch; pass it on the first rank")
+            batches = scatter(input, self.chunks)
+            if not batches:
+                raise ValueError("the input batch is empty (size 0 on dim 0)")
+            for s in range(1, self.num_stages):
+                self._transport.send(s, Kind.STEP, -1, [], count=len(batches))
+            return batches
+        count = call.need(0, Kind.STEP).count
+        return [Batch((), True)] * count  # placeholders: only their number matters here
+
+    def _close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
+        """The last stage sends the loss to everyone; the others wait for it."""
+        if self.is_last:
+            for s in range(self.num_stages - 1):
+                self._transport.send(s, Kind.DONE, -1, [] if loss is None else [loss])
+            self._transport.flush()
+            return loss
+        message = call.need(self.num_stages - 1, Kind.DONE)
+        self._transport.flush()
+        return message.tensors[0] if message.tensors else None
+
+    def train_step(self, input: Optional[TensorOrTensors], target: Any,
+                   loss_fn: LossFn) -> Tensor:
+        """Forward and backward one mini-batch through the whole pipeline.
+
+        ``input`` is read on the first stage and ``target`` on the last (pass ``None``
+        elsewhere). Gradients are accumulated into this stage's parameters' ``.grad``;
+        step your optimizer afterwards. Returns the mini-batch loss on every rank: the
+        micro-batch losses weighted by micro-batch size, which for a mean-reduced
+        ``loss_fn`` equals ``loss_fn`` on the whole batch.
+        """
+        call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=True)
+        targets: Optional[List[Any]] = None
+        weights: List[float] = []
+        with call.guard("start of the step"):
+            batches = self._open(call, input)
+            mode = self.checkpoint if self.training else "never"
+            call.checkpoint_stop = checkpoint_stop(mode, len(batches))
+            if self.is_last:
+                targets, weights = self._split_target(target, len(batches))
+        sums = GradSums()
+        for action in self._actions(len(batches)):
+            with call.guard(describe(action)):
+                if action.phase is Phase.FORWARD:
+                    call.forward(action.microbatch, batches, targets, loss_fn, weights)
+                else:
+                    sums.add(call.backward(action.microbatch))
+        with call.guard("end of the step"):
+            self._stage.finish_forward()
+            loss = self._close(call, torch.stack(call.losses).sum() if self.is_last else None)
+            self._accumulate(sums)
+        assert loss is not None
+        return loss
+
+    def _split_target(self, target: Any, m: int) -> Tuple[List[Any], List[float]]:
+        if target is None:
+            raise ValueError("the last stage needs the target; pass it on the last rank")
+        pieces = scatter(target, m)
+        if len(pieces) != m:
+            raise ValueError(f"the target has {len(pieces)} samples but the input was cut into "
+                             f"{m} micro-batches; input and target need the same batch size")
+        sizes = [p.tensors[0].shape[0] for p in pieces]
+        return [p.value for p in pieces], [n / sum(sizes) for n in sizes]
+
+    def _accumulate(self, sums: GradSums) -> None:
+        for param, grad in sums.sums.items():
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        if self.data_parallel_group is not None:
+            from seqpipe.distributed.data_parallel import average_gradients
+
+            average_gradients(self._stage.parameters(), self.data_parallel_group)
+
+    @torch.no_grad()
+    def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
+        """Inference: the output on the last stage, ``None`` on the others."""
+        call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=False)
+        with call.guard("start of the call"):
+            batches = self._open(call, input)
+        for action in forward_phase(self._actions(len(batches))):
+            with call.guard(describe(action)):
+                call.forward(action.microbatch, batches, None, None, [])
+        with call.guard("end of the call"):
+            self._stage.finish_forward()
+            self._close(call, None)
+        return gather(call.outputs) if self.is_last else None
+
+    def extra_repr(self) -> str:
+        return (f"stage={self.stage_index}/{self.num_stages}, balance={self.balance}, "
+                f"chunks={self.chunks}, schedule={type(self.schedule).__name__}, "
+                f"checkpoint={self.checkpoint!r}")
+

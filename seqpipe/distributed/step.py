@@ -1,0 +1,169 @@
+"""One call of a distributed pipeline on one rank: its stage's actions, in schedule order.
+
+Data comes in through ``Transport`` messages; whatever arrives before it is needed waits
+in an inbox. Stage 0 opens every call by telling the others how many micro-batches it has
+cut; the last stage closes it by sending the loss (or just "done") to every other stage, so
+a failure anywhere reaches every rank: a failing stage sends an ABORT to all others, and
+a stage waiting on a peer that reports a failure, or dies, raises and passes it on.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+
+from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
+from seqpipe.microbatch import Batch
+from seqpipe.schedule import Action
+from seqpipe.skip.layout import SkipLayout
+from seqpipe.skip.tracker import SkipKey
+from seqpipe.stage import Received, Stage, TaskState, wants_grad
+from seqpipe.stream import move
+
+__all__ = ["Call", "LossFn", "describe"]
+
+LossFn = Callable[[Any, Any], Tensor]
+_WHAT = {Kind.ACTIVATION: "activation", Kind.GRAD: "gradient", Kind.SKIP: "skip tensor",
+         Kind.SKIP_GRAD: "skip gradient", Kind.STEP: "start of the step",
+         Kind.DONE: "end of the step"}
+
+
+@dataclass
+class Call:
+    """The state of one ``train_step`` or ``forward`` on this rank."""
+
+    stage: Stage
+    transport: Transport
+    layout: SkipLayout
+    num_stages: int
+    grad: bool
+    checkpoint_stop: int = 0
+    inbox: Dict[Tuple[Kind, int, int], Message] = field(default_factory=dict)
+    states: Dict[int, TaskState] = field(default_factory=dict)
+    outputs: List[Batch] = field(default_factory=list)
+    losses: List[Tensor] = field(default_factory=list)
+    action: str = "the start of the step"
+
+    @property
+    def index(self) -> int:
+        return self.stage.index
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def key_index(self, key: SkipKey) -> int:
+        return [skip.key for skip in self.layout].index(key)
+
+    # -- receiving ---------------------------------------------------------------------
+    def need(self, src: int, kind: Kind, microbatch: int = -1, key: int = -1) -> Message:
+        """Wait for one message from stage ``src``, keeping others that arrive first."""
+        wanted = (kind, microbatch, key)
+        while wanted not in self.inbox:
+            try:
+                message = self.transport.recv(src)
+            except PeerError as exc:
+                raise PeerError(f"{exc}\n  stage {self.index} was at {self.action}, waiting "
+                                f"for the {_WHAT[kind]} from stage {src}") from None
+            except Exception as exc:
+                raise PeerError(
+                    f"stage {self.index} lost stage {src} while at {self.action}, waiting for "
+                    f"the {_WHAT[kind]}: {type(exc).__name__}: {exc}") from exc
+            self.inbox[(message.kind, message.microbatch, message.key)] = message
+        return self.inbox.pop(wanted)
+
+    # -- actions -----------------------------------------------------------------------
+    def forward(self, i: int, inputs: Optional[Sequence[Batch]], targets: Optional[Sequence[Any]],
+                loss_fn: Optional[LossFn], weights: Sequence[float]) -> None:
+        """Run ``F(i)``: receive, compute, send on (or take the loss on the last stage)."""
+        s = self.index
+        if s == 0:
+            assert inputs is not None
+            batch = inputs[i]
+            tensors = tuple(move(t, self.stage.device) for t in batch.tensors)
+            received_batch = Batch(tensors, batch.atomic)  # type: ignore[arg-type]
+            flags = tuple(wants_grad(t) for t in batch.tensors)
+        else:
+            message = self.need(s - 1, Kind.ACTIVATION, i)
+            received_batch = Batch(message.tensors, message.atomic)  # type: ignore[arg-type]
+            flags = message.flags
+        skips: Dict[SkipKey, Optional[Tensor]] = {}
+        for skip in self.layout.skips_popped_by(s):
+            message = self.need(skip.stash_partition, Kind.SKIP, i, self.key_index(skip.key))
+            skips[skip.key] = message.tensors[0]
+            flags += message.flags
+        sent, state = self.stage.forward(Received(received_batch, skips, flags), grad=self.grad,
+                                         checkpoint=self.grad and i < self.checkpoint_stop)
+        for key, tensor in sent.skips.items():
+            self.transport.send(self.layout.pop_partition(*key), Kind.SKIP, i, [tensor],
+                                [wants_grad(tensor)], key=self.key_index(key))
+        if not self.last:
+            outs = sent.outputs.tensors
+            self.transport.send(s + 1, Kind.ACTIVATION, i, outs, [wants_grad(t) for t in outs],
+                                atomic=sent.outputs.atomic)
+        elif loss_fn is not None and targets is not None:
+            assert state is not None
+            state.roots = [get_gradient_edge(self._loss(i, sent.outputs, targets[i], loss_fn,
+                                                        weights[i]))]
+        else:
+            self.outputs.append(sent.outputs)
+        if state is not None:
+            self.states[i] = state
+
+    def _loss(self, i: int, outputs: Batch, target: Any, loss_fn: LossFn,
+              weight: float) -> Tensor:
+        with torch.enable_grad():
+            loss = loss_fn(outputs.value, target)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor, got "
+                                f"{type(loss).__name__}{getattr(loss, 'shape', '')}")
+            scaled = loss.reshape(()) * weight
+        self.losses.append(scaled.detach())
+        return scaled
+
+    def backward(self, i: int) -> List[Tuple[torch.nn.Parameter, Tensor]]:
+        """Run ``B(i)``: receive gradients, backpropagate, send gradients back."""
+        s = self.index
+        if self.last:
+            grads: Tuple[Optional[Tensor], ...] = (torch.ones((), device=self.stage.device),)
+        else:
+            grads = self.need(s + 1, Kind.GRAD, i).tensors
+        skip_grads = {skip.key: self.need(skip.pop_partition, Kind.SKIP_GRAD, i,
+                                          self.key_index(skip.key)).tensors[0]
+                      for skip in self.layout.skips_stashed_by(s)}
+        received, params = self.stage.backward(self.states.pop(i), grads, skip_grads)
+        if s > 0:
+            self.transport.send(s - 1, Kind.GRAD, i, received.inputs)
+        for key, grad in received.skips.items():
+            self.transport.send(self.layout.stash_partition(*key), Kind.SKIP_GRAD, i, [grad],
+                                key=self.key_index(key))
+        return params
+
+    # -- failure handling --------------------------------------------------------------
+    @contextmanager
+    def guard(self, action: str) -> Iterator[None]:
+        """Run a piece of the call; on failure tell every other stage before raising."""
+        self.action = action
+        try:
+            yield
+        except PeerError as exc:
+            self.abort(str(exc))
+            raise
+        except Exception as exc:
+            text = f"stage {self.index} failed in the {action}"
+            self.abort(f"{text}: {type(exc).__name__}: {exc}")
+            exc.add_note(f"seqpipe: {text}")
+            raise
+
+    def abort(self, text: str) -> None:
+        others = [s for s in range(self.num_stages) if s != self.index]
+        self.transport.abort(others, text)
+
+
+def describe(action: Action) -> str:
+    """``forward of micro-batch 3``: how errors name an action."""
+    return f"{action.phase.value} of micro-batch {action.microbatch}"
