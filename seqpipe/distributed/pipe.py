@@ -169,7 +169,7 @@ class DistributedPipe(nn.Module):
             if not batches:
                 raise ValueError("the input batch is empty (size 0 on dim 0)")
             for s in range(1, self.num_stages):
-                self._transport.send(s, Kind.STEP, -1, [], count=len(batches))
+                call.send(s, Kind.STEP, -1, [], count=len(batches))
             return batches
         count = call.need(0, Kind.STEP).count
         return [Batch((), True)] * count  # placeholders: only their number matters here
@@ -178,7 +178,7 @@ class DistributedPipe(nn.Module):
         """The last stage sends the loss to everyone; the others wait for it."""
         if self.is_last:
             for s in range(self.num_stages - 1):
-                self._transport.send(s, Kind.DONE, -1, [] if loss is None else [loss])
+                call.send(s, Kind.DONE, -1, [] if loss is None else [loss])
             self._transport.flush()
             return loss
         message = call.need(self.num_stages - 1, Kind.DONE)

@@ -76,6 +76,16 @@ class Call:
             self.inbox[(message.kind, message.microbatch, message.key)] = message
         return self.inbox.pop(wanted)
 
+    def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
+             flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
+        """Queue a message to stage ``dst``; a failure to send is the peer's failure."""
+        try:
+            self.transport.send(dst, kind, microbatch, tensors, flags, **options)
+        except Exception as exc:
+            raise PeerError(
+                f"stage {self.index} lost stage {dst} while at {self.action}, sending the "
+                f"{_WHAT[kind]}: {type(exc).__name__}: {exc}") from exc
+
     # -- actions -----------------------------------------------------------------------
     def forward(self, i: int, inputs: Optional[Sequence[Batch]], targets: Optional[Sequence[Any]],
                 loss_fn: Optional[LossFn], weights: Sequence[float]) -> None:
@@ -99,11 +109,11 @@ class Call:
         sent, state = self.stage.forward(Received(received_batch, skips, flags), grad=self.grad,
                                          checkpoint=self.grad and i < self.checkpoint_stop)
         for key, tensor in sent.skips.items():
-            self.transport.send(self.layout.pop_partition(*key), Kind.SKIP, i, [tensor],
+            self.send(self.layout.pop_partition(*key), Kind.SKIP, i, [tensor],
                                 [wants_grad(tensor)], key=self.key_index(key))
         if not self.last:
             outs = sent.outputs.tensors
-            self.transport.send(s + 1, Kind.ACTIVATION, i, outs, [wants_grad(t) for t in outs],
+            self.send(s + 1, Kind.ACTIVATION, i, outs, [wants_grad(t) for t in outs],
                                 atomic=sent.outputs.atomic)
         elif loss_fn is not None and targets is not None:
             assert state is not None
@@ -137,9 +147,9 @@ class Call:
                       for skip in self.layout.skips_stashed_by(s)}
         received, params = self.stage.backward(self.states.pop(i), grads, skip_grads)
         if s > 0:
-            self.transport.send(s - 1, Kind.GRAD, i, received.inputs)
+            self.send(s - 1, Kind.GRAD, i, received.inputs)
         for key, grad in received.skips.items():
-            self.transport.send(self.layout.stash_partition(*key), Kind.SKIP_GRAD, i, [grad],
+            self.send(self.layout.stash_partition(*key), Kind.SKIP_GRAD, i, [grad],
                                 key=self.key_index(key))
         return params
 

@@ -144,13 +144,25 @@ class Transport:
             raise PeerError(text)
         return Message(kind, microbatch, key, tensors, flags, count, atomic)
 
-    def abort(self, stages: Sequence[int], text: str) -> None:
-        """Tell ``stages`` that this one failed, so they raise instead of waiting."""
+    def abort(self, stages: Sequence[int], text: str,
+              patience: timedelta = timedelta(seconds=2)) -> None:
+        """Tell ``stages`` that this one failed, so they raise instead of waiting.
+
+        Waits up to ``patience`` for the news to go out, so a process that exits right
+        after does not take it with it; a dead peer cannot be told, and is skipped.
+        """
+        self._pending = []  # what was queued before the failure no longer matters
         payload = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
         for stage in stages:
             try:
                 self.send(stage, Kind.ABORT, -1, [payload.to(self.device)], [False])
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
+                pass
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            try:
+                work.wait(patience)
+            except Exception:  # noqa: BLE001
                 pass
 
     def flush(self) -> None:

@@ -1,0 +1,59 @@
+"""Run a function on N gloo processes on loopback, with a hard timeout.
+
+Each worker initialises a gloo process group over ``127.0.0.1`` with a short collective
+timeout and one intra-op thread, runs ``fn(rank, world_size, *args)``, and tears the
+group down. The parent waits at most ``timeout`` seconds; a hang kills every worker and
+fails the test instead of stalling CI. A worker's exception fails the test with the
+worker's traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_workers", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, pg_timeout: float,
+           fn: Callable[..., Any], args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                pg_timeout: float = 30.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; raise on failure."""
+    assert 1 <= world_size <= 4, "CI runs at most 4 processes"
+    context = mp.start_processes(_entry, args=(world_size, free_port(), pg_timeout, fn, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} workers did not finish within {timeout} s "
+                                   f"(a hang); killed them")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
