@@ -52,7 +52,11 @@ def _describe(value: object) -> str:
 
 def check_input(input: object) -> None:
     """Raise ``TypeError``/``ValueError`` unless ``input`` can be cut into micro-batches."""
-    batch = Batch.of(input)  # type: ignore[arg-type]
+    try:
+        batch = Batch.of(input)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"a pipeline input must be a tensor or a tuple of tensors with the "
+                        f"batch on dim 0, got {_describe(input)}") from None
     if not batch.tensors:
         raise TypeError("the input is an empty tuple; pass at least one tensor")
     sizes = {t.shape[0] if t.dim() > 0 else None for t in batch.tensors}

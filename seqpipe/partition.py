@@ -26,7 +26,7 @@ def verify_module(module: object) -> None:
     if len(module) == 0:
         raise ValueError("the nn.Sequential is empty; give it at least one layer")
     seen: dict = {}
-    for name, layer in module.named_children():
+    for name, layer in module._modules.items():  # named_children() hides repeated layers
         if id(layer) in seen:
             raise ValueError(
                 f"layers '{seen[id(layer)]}' and '{name}' are the same module object; "

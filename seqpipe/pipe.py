@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
-from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
+from seqpipe.microbatch import Batch, TensorOrTensors, check_input, gather, scatter
 from seqpipe.partition import Device, split_by_balance, split_by_placement, verify_module
 from seqpipe.pipeline import LocalPipeline, LocalRun
 from seqpipe.skip.layout import inspect_skip_layout
@@ -167,6 +167,7 @@ class Pipe(nn.Module):
     # -- running -----------------------------------------------------------------------
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Run the mini-batch through the pipeline; the output is on the last device."""
+        check_input(input)
         batch = Batch.of(input)
         params = [p for p in self.parameters() if p.requires_grad]
         grad = torch.is_grad_enabled() and (

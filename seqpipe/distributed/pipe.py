@@ -110,7 +110,7 @@ class DistributedPipe(nn.Module):
         _materialize(partition, self.device)
         if deferred_batch_norm:
             convert_deferred_batch_norm(partition)
-        self.partition = partition
+        object.__setattr__(self, "partition", partition)  # a view: its layers are registered
         self._stage = Stage(self.stage_index, partition, self.device, layout)
         self._layout = layout
         self._transport = Transport(group, self.device)
@@ -175,15 +175,27 @@ class DistributedPipe(nn.Module):
         return [Batch((), True)] * count  # placeholders: only their number matters here
 
     def _close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
-        """The last stage sends the loss to everyone; the others wait for it."""
-        if self.is_last:
-            for s in range(self.num_stages - 1):
-                call.send(s, Kind.DONE, -1, [] if loss is None else [loss])
-            self._transport.flush()
-            return loss
-        message = call.need(self.num_stages - 1, Kind.DONE)
-        self._transport.flush()
-        return message.tensors[0] if message.tensors else None
+        """End the call on every stage together, so no rank returns while another fails.
+
+        The last stage sends the loss to everyone; then the stage that finishes last (stage
+        0 after a backward, the last stage after a forward-only call) sends DONE to all.
+        """
+        k = self.num_stages
+        if call.grad and k > 1:
+            if self.is_last:
+                for s in range(k - 1):
+                    call.send(s, Kind.LOSS, -1, [loss])
+            else:
+                loss = call.need(k - 1, Kind.LOSS).tensors[0]
+        closer = 0 if call.grad else k - 1
+        if self.stage_index == closer:
+            for s in range(k):
+                if s != closer:
+                    call.send(s, Kind.DONE, -1, [])
+        else:
+            call.need(closer, Kind.DONE)
+        call.flush()
+        return loss
 
     def train_step(self, input: Optional[TensorOrTensors], target: Any,
                    loss_fn: LossFn) -> Tensor:

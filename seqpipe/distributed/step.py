@@ -29,7 +29,7 @@ __all__ = ["Call", "LossFn", "describe"]
 LossFn = Callable[[Any, Any], Tensor]
 _WHAT = {Kind.ACTIVATION: "activation", Kind.GRAD: "gradient", Kind.SKIP: "skip tensor",
          Kind.SKIP_GRAD: "skip gradient", Kind.STEP: "start of the step",
-         Kind.DONE: "end of the step"}
+         Kind.DONE: "end of the step", Kind.LOSS: "loss"}
 
 
 @dataclass
@@ -85,6 +85,13 @@ class Call:
             raise PeerError(
                 f"stage {self.index} lost stage {dst} while at {self.action}, sending the "
                 f"{_WHAT[kind]}: {type(exc).__name__}: {exc}") from exc
+
+    def flush(self) -> None:
+        """Wait for this call's sends to go out."""
+        try:
+            self.transport.flush()
+        except PeerError as exc:
+            raise PeerError(f"stage {self.index} {exc} (at {self.action})") from exc
 
     # -- actions -----------------------------------------------------------------------
     def forward(self, i: int, inputs: Optional[Sequence[Batch]], targets: Optional[Sequence[Any]],

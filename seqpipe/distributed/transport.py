@@ -12,6 +12,7 @@ schedules such as 1F1B cannot deadlock on sends. NCCL and gloo share this one co
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
@@ -29,6 +30,9 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.complex128]
 
 
+_abandoned: List[Tuple[dist.Work, Tensor, int]] = []  # sends left behind by a failed call
+
+
 class Kind(enum.IntEnum):
     """What a message carries."""
 
@@ -38,7 +42,8 @@ class Kind(enum.IntEnum):
     SKIP_GRAD = 4
     ABORT = 5
     STEP = 6  # from stage 0 at the start of a call: how many micro-batches (``count``)
-    DONE = 7  # from the last stage at the end of a call: the loss, if any
+    DONE = 7  # from the stage that finishes last: every stage has done its part
+    LOSS = 8  # from the last stage at the end of a training step: the mini-batch loss
 
 
 class PeerError(RuntimeError):
@@ -76,6 +81,21 @@ def _encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool,
     return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
 
 
+def _encode_text(kind: Kind, text: str) -> Tensor:
+    """A header that carries a short UTF-8 text in its spare slots (one message, no tensors)."""
+    room = (HEADER_SLOTS - 8) * 8
+    data = text.encode("utf-8")[:room]
+    data += b"\0" * (-len(data) % 8)
+    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, len(data)]
+    words += [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+    return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
+
+
+def _decode_text(header: List[int]) -> str:
+    data = b"".join(w.to_bytes(8, "little", signed=True) for w in header[8:HEADER_SLOTS])
+    return data[:header[7]].rstrip(b"\0").decode("utf-8", "replace")
+
+
 def _decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, List[Optional[Tuple]]]:
     if header[0] != _MAGIC:
         raise RuntimeError("received a corrupt pipeline header: the stages disagree about "
@@ -102,7 +122,7 @@ class Transport:
         self.group = group
         self.device = device
         self.timeout = timeout
-        self._pending: List[Tuple[dist.Work, Tensor]] = []
+        self._pending: List[Tuple[dist.Work, Tensor, int]] = []
 
     def _global(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage) if self.group is not None else stage
@@ -110,7 +130,7 @@ class Transport:
     def _isend(self, tensor: Tensor, stage: int) -> None:
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=self._global(stage), group=self.group)
-        self._pending.append((work, tensor))
+        self._pending.append((work, tensor, stage))
 
     def _recv(self, tensor: Tensor, stage: int) -> Tensor:
         work = dist.irecv(tensor, src=self._global(stage), group=self.group)
@@ -136,37 +156,41 @@ class Transport:
         header = self._recv(torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device),
                             stage).tolist()
         kind, microbatch, key, count, atomic, specs = _decode(header)
+        if kind is Kind.ABORT:
+            raise PeerError(_decode_text(header))
         tensors = tuple(None if spec is None else self._recv(
             torch.empty(spec[2], dtype=spec[0], device=self.device), stage) for spec in specs)
         flags = tuple(bool(spec and spec[1]) for spec in specs)
-        if kind is Kind.ABORT:
-            text = bytes(tensors[0].cpu().tolist()).decode("utf-8", "replace")  # type: ignore[union-attr]
-            raise PeerError(text)
         return Message(kind, microbatch, key, tensors, flags, count, atomic)
 
     def abort(self, stages: Sequence[int], text: str,
               patience: timedelta = timedelta(seconds=2)) -> None:
         """Tell ``stages`` that this one failed, so they raise instead of waiting.
 
-        Waits up to ``patience`` for the news to go out, so a process that exits right
-        after does not take it with it; a dead peer cannot be told, and is skipped.
+        The news is one message (the text rides in the header), so a peer already waiting
+        on this stage gets all of it even if this process exits right after. It waits up to
+        ``patience`` for the sends to go out, polling rather than waiting with a timeout
+        (gloo closes a connection whose wait times out), and keeps unfinished sends alive
+        (dropping one can cancel it); a dead peer cannot be told, and is skipped.
         """
-        self._pending = []  # what was queued before the failure no longer matters
-        payload = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+        header = _encode_text(Kind.ABORT, text).to(self.device)
         for stage in stages:
             try:
-                self.send(stage, Kind.ABORT, -1, [payload.to(self.device)], [False])
+                self._isend(header, stage)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
                 pass
         pending, self._pending = self._pending, []
-        for work, _ in pending:
-            try:
-                work.wait(patience)
-            except Exception:  # noqa: BLE001
-                pass
+        deadline = time.monotonic() + patience.total_seconds()
+        while time.monotonic() < deadline and not all(w.is_completed() for w, _, _ in pending):
+            time.sleep(0.005)
+        _abandoned.extend(pending)
 
     def flush(self) -> None:
-        """Wait until every queued send has gone out."""
+        """Wait until every queued send has gone out; ``PeerError`` names a lost receiver."""
         pending, self._pending = self._pending, []
-        for work, _ in pending:
-            work.wait()
+        for work, _, stage in pending:
+            try:
+                work.wait()
+            except Exception as exc:
+                raise PeerError(f"lost stage {stage} while sending to it: "
+                                f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,170 @@
+"""Deferred BatchNorm: running statistics equal a plain BatchNorm's on the whole mini-batch."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from seqpipe import Pipe
+
+STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def cpu_pipe(model: nn.Sequential, balance, **kwargs) -> Pipe:
+    return Pipe(model, balance=balance, devices=["cpu"] * len(balance), **kwargs)
+
+
+def assert_same_stats(bn: nn.Module, ref: nn.Module) -> None:
+    for name in STATS:
+        assert_close(getattr(bn, name), getattr(ref, name), atol=1e-6, rtol=1e-5,
+                     msg=lambda m, n=name: f"{n}: {m}")
+
+
+def model_1d(**bn_kwargs) -> nn.Sequential:
+    """Linear -> BatchNorm1d -> ReLU -> Linear; the BN is layer 1."""
+    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6, **bn_kwargs), nn.ReLU(),
+                         nn.Linear(6, 2))
+
+
+def model_2d(**bn_kwargs) -> nn.Sequential:
+    """Conv2d -> BatchNorm2d -> ReLU -> Conv2d; the BN is layer 1."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, **bn_kwargs),
+                         nn.ReLU(), nn.Conv2d(4, 2, 1))
+
+
+def batches(kind: str, size: int, count: int):
+    shape = (size, 5) if kind == "1d" else (size, 3, 5, 5)
+    # shifted and scaled so that the statistics are far from the initial ones
+    return [torch.randn(*shape) * (1.5 + i) + 0.7 * i for i in range(count)]
+
+
+def train_both(kind: str, *, size: int, count: int, chunks: int = 4, mode: str = "never",
+               deferred: bool = True, balance=(2, 2), **bn_kwargs):
+    """Run ``count`` training mini-batches (forward and backward) through a Pipe and a plain
+    copy; return both BatchNorm layers and the two pipes."""
+    model = (model_1d if kind == "1d" else model_2d)(**bn_kwargs)
+    ref = copy.deepcopy(model)
+    pipe = cpu_pipe(model, list(balance), chunks=chunks, checkpoint=mode,
+                    deferred_batch_norm=deferred)
+    for x in batches(kind, size, count):
+        pipe(x).sum().backward()
+        ref(x).sum().backward()
+    return pipe[1], ref[1], pipe, ref
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_one_minibatch_matches_plain_batchnorm_on_the_whole_batch(kind):
+    bn, ref, _, _ = train_both(kind, size=16, count=1)
+    assert int(bn.num_batches_tracked) == 1
+    assert_same_stats(bn, ref)
+
+
+@pytest.mark.parametrize("size", [10, 9])  # micro-batches 3,3,2,2 and 3,2,2,2
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_uneven_micro_batches(kind, size):
+    bn, ref, _, _ = train_both(kind, size=size, count=1)
+    assert_same_stats(bn, ref)
+
+
+def test_fewer_samples_than_chunks():
+    bn, ref, _, _ = train_both("2d", size=3, count=2, chunks=4)  # 3 micro-batches of 1 image
+    assert_same_stats(bn, ref)
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_several_minibatches_in_a_row(kind):
+    bn, ref, _, _ = train_both(kind, size=10, count=3)
+    assert int(bn.num_batches_tracked) == 3
+    assert_same_stats(bn, ref)
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_cumulative_average_with_momentum_none(kind):
+    bn, ref, _, _ = train_both(kind, size=10, count=3, momentum=None)
+    assert_same_stats(bn, ref)
+
+
+def test_custom_momentum():
+    bn, ref, _, _ = train_both("1d", size=12, count=2, momentum=0.5)
+    assert_same_stats(bn, ref)
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_recomputation_does_not_count_twice(kind, mode):
+    bn, ref, _, _ = train_both(kind, size=10, count=3, mode=mode)
+    assert int(bn.num_batches_tracked) == 3
+    assert_same_stats(bn, ref)
+
+
+@pytest.mark.parametrize("balance", [(4,), (1, 3), (2, 1, 1)])
+def test_any_partitioning(balance):
+    bn, ref, _, _ = train_both("1d", size=10, count=2, balance=balance)
+    assert_same_stats(bn, ref)
+
+
+def test_batchnorm1d_on_three_dim_input():
+    model = nn.Sequential(nn.Identity(), nn.BatchNorm1d(3))
+    ref = copy.deepcopy(model)
+    pipe = cpu_pipe(model, [1, 1], chunks=4, deferred_batch_norm=True)
+    x = torch.randn(10, 3, 6) * 2 + 1
+    pipe(x), ref(x)
+    assert_same_stats(pipe[1], ref[1])
+
+
+def test_no_grad_training_forward_updates_once():
+    model = model_1d()
+    ref = copy.deepcopy(model)
+    pipe = cpu_pipe(model, [2, 2], chunks=4, deferred_batch_norm=True)
+    x = batches("1d", 10, 1)[0]
+    with torch.no_grad():
+        pipe(x), ref(x)
+    assert_same_stats(pipe[1], ref[1])
+
+
+def test_training_output_normalises_each_micro_batch_with_its_own_statistics():
+    bn = nn.BatchNorm1d(4)
+    pipe = cpu_pipe(nn.Sequential(nn.Identity(), bn), [1, 1], chunks=2,
+                    deferred_batch_norm=True)
+    x = torch.randn(8, 4) * 3 + 2
+    y = pipe(x)
+    expected = torch.cat([nn.functional.batch_norm(half, None, None, bn.weight, bn.bias,
+                                                   training=True) for half in x.chunk(2)])
+    assert_close(y, expected)
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_eval_output_matches_plain_eval(kind):
+    _, _, pipe, ref = train_both(kind, size=10, count=3)
+    pipe.eval(), ref.eval()
+    x = batches(kind, 9, 1)[0]
+    assert_close(pipe(x), ref(x), atol=1e-6, rtol=1e-5)
+
+
+def test_eval_forward_leaves_statistics_alone():
+    _, _, pipe, _ = train_both("1d", size=10, count=1)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    pipe.eval()
+    pipe(batches("1d", 10, 1)[0])
+    assert_close(pipe.state_dict(), before)
+
+
+def test_without_deferred_batchnorm_the_statistics_differ():
+    """The control: a plain BatchNorm in a 4-chunk pipe updates once per micro-batch."""
+    bn, ref, _, _ = train_both("1d", size=16, count=1, deferred=False)
+    assert int(bn.num_batches_tracked) == 4 and int(ref.num_batches_tracked) == 1
+    assert not torch.allclose(bn.running_mean, ref.running_mean, atol=1e-4)
+    assert not torch.allclose(bn.running_var, ref.running_var, atol=1e-4)
+
+
+def test_conversion_keeps_the_layer_its_class_and_its_state_dict_keys():
+    model = model_1d()
+    bn = model[1]
+    keys = list(model.state_dict())
+    pipe = cpu_pipe(model, [2, 2], deferred_batch_norm=True)
+    assert pipe[1] is bn
+    assert isinstance(bn, nn.BatchNorm1d)
+    assert list(pipe.state_dict()) == keys

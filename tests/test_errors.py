@@ -1,0 +1,292 @@
+"""Every error Pipe raises: its type and a message that says what is wrong."""
+from __future__ import annotations
+
+import threading
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+from seqpipe import Pipe
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def cpu_pipe(model: nn.Sequential, balance, **kwargs) -> Pipe:
+    return Pipe(model, balance=balance, devices=["cpu"] * len(balance), **kwargs)
+
+
+def stage_threads() -> list:
+    return [t.name for t in threading.enumerate() if t.name.startswith("seqpipe-stage-")]
+
+
+# -- construction ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("module", [nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)])])
+def test_module_must_be_a_sequential(module):
+    with pytest.raises(TypeError, match=rf"needs an nn\.Sequential, got {type(module).__name__}"):
+        Pipe(module)
+
+
+def test_empty_sequential():
+    with pytest.raises(ValueError, match="nn.Sequential is empty"):
+        Pipe(nn.Sequential())
+
+
+@pytest.mark.parametrize("balance", [[1, 1], [2, 2], [4]])
+def test_balance_must_sum_to_the_number_of_layers(balance):
+    with pytest.raises(ValueError, match=rf"sums to {sum(balance)} but the module has 3 layers"):
+        cpu_pipe(mlp(), balance)
+
+
+@pytest.mark.parametrize("balance", [[0, 3], [3, 0], [-1, 4], [1.5, 1.5]])
+def test_balance_entries_must_be_positive_ints(balance):
+    with pytest.raises(ValueError, match="every entry of balance must be a positive int"):
+        cpu_pipe(mlp(), balance)
+
+
+def test_empty_balance():
+    with pytest.raises(ValueError, match="balance is empty"):
+        Pipe(mlp(), balance=[], devices=[])
+
+
+def test_fewer_devices_than_partitions():
+    with pytest.raises(IndexError, match="3 partitions need 3 devices, got 2"):
+        Pipe(mlp(), balance=[1, 1, 1], devices=["cpu", "cpu"])
+
+
+def test_devices_without_balance():
+    with pytest.raises(ValueError, match="devices is given without balance"):
+        Pipe(mlp(), devices=["cpu"])
+
+
+def test_layer_whose_parameters_span_devices():
+    layer = nn.Linear(2, 2)
+    layer.bias = nn.Parameter(torch.zeros(2, device="meta"))
+    with pytest.raises(ValueError, match=r"layer '1' \(Linear\) has parameters on several "
+                                         r"devices \(cpu, meta\)"):
+        Pipe(nn.Sequential(nn.ReLU(), layer))
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5, True, "4", None])
+def test_invalid_chunks(chunks):
+    with pytest.raises(ValueError, match=r"chunks must be a positive int .* got " +
+                       repr(chunks).replace(".", r"\.")):
+        Pipe(mlp(), chunks=chunks)
+
+
+@pytest.mark.parametrize("mode", ["sometimes", "ALWAYS", "", None, True])
+def test_invalid_checkpoint(mode):
+    with pytest.raises(ValueError, match="checkpoint must be one of 'always', 'except_last', "
+                                         "'never'"):
+        Pipe(mlp(), checkpoint=mode)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"balance": [1, 1], "devices": ["cpu", "cpu"]}],
+                         ids=["placement", "balance"])
+def test_the_same_layer_object_twice(kwargs):
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="layers '0' and '1' are the same module object"):
+        Pipe(nn.Sequential(layer, layer), **kwargs)
+
+
+# -- inputs ------------------------------------------------------------------------------
+
+@pytest.fixture
+def pipe() -> Pipe:
+    return cpu_pipe(mlp(), [2, 1], chunks=2)
+
+
+def test_empty_batch(pipe):
+    with pytest.raises(ValueError, match=r"the input batch is empty \(size 0 on dim 0\)"):
+        pipe(torch.empty(0, 3))
+
+
+def test_zero_dim_input(pipe):
+    with pytest.raises(ValueError, match="needs a batch dimension .* 0-dim tensor"):
+        pipe(torch.tensor(1.0))
+
+
+def test_mismatched_batch_sizes_in_a_tuple_input():
+    pipe = cpu_pipe(nn.Sequential(nn.Identity(), nn.Identity()), [1, 1], chunks=2)
+    with pytest.raises(ValueError, match=r"share the batch size on dim 0, got sizes \[3, 4\]"):
+        pipe((torch.randn(4, 2), torch.randn(3, 2)))
+
+
+@pytest.mark.parametrize("value, described", [
+    ([1.0, 2.0], "a list of (float, float)"),
+    ("abc", "a str"),
+    ({"x": 1}, "a dict"),
+    ((torch.randn(2, 3), 5), "a tuple of (Tensor, int)"),
+])
+def test_non_tensor_input(pipe, value, described):
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors.*, got " +
+                       described.replace("(", r"\(").replace(")", r"\)")):
+        pipe(value)
+
+
+def test_empty_tuple_input(pipe):
+    with pytest.raises(TypeError, match="empty tuple"):
+        pipe(())
+
+
+def test_layer_returning_a_non_tensor_at_a_boundary():
+    class ReturnsDict(nn.Module):
+        def forward(self, x):
+            return {"x": x}
+
+    pipe = cpu_pipe(nn.Sequential(ReturnsDict(), nn.Identity()), [1, 1])
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors.* got a dict") as info:
+        pipe(torch.randn(2, 2))
+    assert any("stage 0" in note for note in info.value.__notes__)
+
+
+class Total(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def test_last_layer_returning_a_scalar():
+    pipe = cpu_pipe(nn.Sequential(nn.Identity(), Total()), [1, 1], chunks=1)
+    with pytest.raises(ValueError, match="0-dim tensor.*compute the loss outside the pipeline"):
+        pipe(torch.randn(2, 2))
+
+
+# -- moving ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("move", [
+    lambda p: p.cuda(),
+    lambda p: p.cpu(),
+    lambda p: p.to("cpu"),
+    lambda p: p.to(torch.device("cpu")),
+    lambda p: p.to("cpu", torch.float64),
+    lambda p: p.to(torch.empty(1)),
+], ids=["cuda", "cpu", "to-str", "to-device", "to-device-dtype", "to-tensor"])
+def test_moving_the_whole_pipe_is_refused(pipe, move):
+    with pytest.raises(RuntimeError, match="moving the whole Pipe would undo that"):
+        move(pipe)
+
+
+def test_dtype_change_is_allowed(pipe):
+    assert pipe.to(torch.float64) is pipe
+    assert pipe.to(dtype=torch.float64) is pipe
+    assert all(p.dtype == torch.float64 for p in pipe.parameters())
+    assert pipe(torch.randn(4, 3, dtype=torch.float64)).dtype == torch.float64
+
+
+# -- backward twice ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_backward_twice_through_the_same_output(mode):
+    pipe = cpu_pipe(mlp(), [2, 1], chunks=2, checkpoint=mode)
+    loss = pipe(torch.randn(4, 3, requires_grad=True)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already backpropagated"):
+        loss.backward()
+
+
+def test_backward_twice_without_retain_graph():
+    pipe = cpu_pipe(mlp(), [2, 1], chunks=2)
+    out = pipe(torch.randn(4, 3, requires_grad=True))
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="already backpropagated"):
+        out.sum().backward()
+
+
+# -- exceptions raised inside the workers ------------------------------------------------
+
+class FailInForward(nn.Module):
+    """Raises on its ``call``-th forward (the micro-batch of that index, in forward order)."""
+
+    def __init__(self, call: int) -> None:
+        super().__init__()
+        self.call, self.calls = call, 0
+
+    def forward(self, x):
+        index, self.calls = self.calls, self.calls + 1
+        if index == self.call:
+            raise KeyError(f"layer failed on micro-batch {index}")
+        return x
+
+
+def assert_raised_from(exc: BaseException, function: str, stage: int, phase: str,
+                       microbatch: int) -> None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    assert any(f.filename == __file__ and f.name == function for f in frames), frames
+    notes = getattr(exc, "__notes__", [])
+    assert any(f"stage {stage}" in note and f"{phase} of micro-batch {microbatch}" in note
+               for note in notes), notes
+    assert not stage_threads()
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("stage, position", [(1, 3), (0, 1), (2, 4)])
+def test_exception_in_a_worker_forward_reaches_the_caller(mode, stage, position):
+    layers = [nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.Linear(3, 3), nn.ReLU()]
+    layers.insert(position, FailInForward(call=2))
+    pipe = cpu_pipe(nn.Sequential(*layers), [2, 2, 2], chunks=4, checkpoint=mode)
+    with pytest.raises(KeyError, match="layer failed on micro-batch 2") as info:
+        pipe(torch.randn(8, 3, requires_grad=True))
+    assert type(info.value) is KeyError
+    assert_raised_from(info.value, "forward", stage, "forward", 2)
+
+
+def test_pipe_works_again_after_a_failure():
+    failing = FailInForward(call=1)
+    pipe = cpu_pipe(nn.Sequential(nn.Linear(3, 3), failing, nn.Linear(3, 3)), [1, 1, 1],
+                    chunks=4)
+    with pytest.raises(KeyError):
+        pipe(torch.randn(8, 3))
+    failing.call = -1
+    out = pipe(torch.randn(8, 3))
+    out.sum().backward()
+    assert out.shape == (8, 3) and pipe[0].weight.grad is not None
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, tag, fail_on):
+        ctx.tag, ctx.fail_on = tag, fail_on
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.tag == ctx.fail_on:
+            raise ArithmeticError(f"backward failed on micro-batch {ctx.tag}")
+        return grad, None, None
+
+
+class FailInBackward(nn.Module):
+    """Takes ``(h, ids)`` in micro-batches of 2 rows; its backward raises for one of them."""
+
+    def __init__(self, microbatch: int) -> None:
+        super().__init__()
+        self.microbatch = microbatch
+
+    def forward(self, pair):
+        h, ids = pair
+        return _RaiseInBackward.apply(h, int(ids[0]) // 2, self.microbatch), ids
+
+
+class Features(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, pair):
+        h, ids = pair
+        return self.linear(h), ids
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_exception_in_a_worker_backward_reaches_the_caller(mode):
+    model = nn.Sequential(Features(), Features(), FailInBackward(microbatch=1), Features())
+    pipe = cpu_pipe(model, [1, 2, 1], chunks=4, checkpoint=mode)
+    h, ids = pipe((torch.randn(8, 3, requires_grad=True), torch.arange(8)))
+    with pytest.raises(ArithmeticError, match="backward failed on micro-batch 1") as info:
+        h.sum().backward()
+    assert type(info.value) is ArithmeticError
+    assert_raised_from(info.value, "backward", 1, "backward", 1)
