@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
 from seqpipe.pipe import Pipe
 
-__all__ = ["build_model", "make_data", "main", "parse_args"]
+__all__ = ["build_model", "make_data", "main", "parse_args", "run_distributed"]
 
 
 def build_model(num_classes: int = 10, width: int = 16) -> nn.Sequential:
@@ -81,12 +81,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--balance-by", default="time", choices=["time", "size", "params"])
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--processes", type=int, default=0,
+                        help="run DistributedPipe over this many local processes, one stage "
+                             "each (gloo on CPU, NCCL when every process gets a GPU)")
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "fill_drain"],
+                        help="the clock of the distributed run")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> float:
     """Train for a few steps and print the split, the loss and the throughput."""
     args = parse_args(argv)
+    if args.processes:
+        from seqpipe.launch import spawn_local
+
+        spawn_local(args.processes, run_distributed, args)
+        return float("nan")
     torch.manual_seed(args.seed)
     partitions, devices = default_split()
     if args.partitions is not None:
@@ -120,4 +130,53 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     elapsed = time.perf_counter() - start
     print(f"done: {seen} samples in {elapsed:.2f} s ({seen / elapsed:.1f} samples/s), "
           f"final loss {loss_value:.4f}")
+    return loss_value
+
+
+def run_distributed(args: argparse.Namespace) -> float:
+    """The same training with ``DistributedPipe``: call on every rank of an initialised group.
+
+    Rank 0 chooses the balance (profiling is not bit-identical between processes) and
+    shares it; stage 0 reads the images, the last stage the labels.
+    """
+    import torch.distributed as dist
+
+    from seqpipe.distributed import DistributedPipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    torch.manual_seed(args.seed)
+    data = make_data(args.steps, args.batch, seed=args.seed)
+    model = build_model()
+    balance = torch.zeros(world, dtype=torch.int64, device=device)
+    if rank == 0:
+        chosen = choose_balance(args.balance_by, world, model, data[0][0], args.chunks)
+        balance.copy_(torch.tensor(chosen))
+    dist.broadcast(balance, src=0)
+    pipe = DistributedPipe(model, chunks=args.chunks, balance=balance.tolist(),
+                           schedule=args.schedule, checkpoint=args.checkpoint,
+                           deferred_batch_norm=True, device=device)
+    if rank == 0:
+        print(f"seqpipe distributed demo: {world} processes ({dist.get_backend()}), "
+              f"balance={pipe.balance}, chunks={args.chunks}, schedule={args.schedule!r}, "
+              f"checkpoint={args.checkpoint!r}", flush=True)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    start, seen, loss_value = time.perf_counter(), 0, float("nan")
+    for step, (images, labels) in enumerate(data, 1):
+        optimizer.zero_grad()
+        loss = pipe.train_step(images if pipe.is_first else None,
+                               labels.to(device) if pipe.is_last else None, loss_fn)
+        optimizer.step()
+        seen += len(images)
+        loss_value = loss.item()
+        if rank == 0 and (step == 1 or step % 5 == 0 or step == len(data)):
+            rate = seen / (time.perf_counter() - start)
+            print(f"step {step:3d}/{len(data)}  loss {loss_value:.4f}  {rate:8.1f} samples/s",
+                  flush=True)
+    if rank == 0:
+        elapsed = time.perf_counter() - start
+        print(f"done: {seen} samples in {elapsed:.2f} s ({seen / elapsed:.1f} samples/s), "
+              f"final loss {loss_value:.4f}", flush=True)
     return loss_value
