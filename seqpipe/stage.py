@@ -157,13 +157,16 @@ class Stage:
             return self._forward_with_grad(received, checkpoint, seed)
 
     def _sent(self, out: Any, tracker: StageSkipTracker) -> Sent:
-        missing = self.outgoing - set(tracker.outgoing)
+        # Take the outgoing skips out of the tracker: a checkpoint keeps the tracker (for
+        # its recomputation) until backward, and must not keep the skips alive with it.
+        outgoing, tracker.outgoing = tracker.outgoing, {}
+        missing = self.outgoing - set(outgoing)
         if missing:
             raise RuntimeError(
                 f"skip {sorted(name for _, name in missing)} is popped in a later partition "
                 f"but was not stashed in this call; a skippable layer must stash every "
                 f"name it declares each time it runs (stash None to send nothing)")
-        return Sent(Batch.of(out), tracker.outgoing)
+        return Sent(Batch.of(out), outgoing)
 
     def _forward_with_grad(self, received: Received, checkpoint: bool,
                            seed: Optional[int]) -> Tuple[Sent, TaskState]:

@@ -14,7 +14,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from torch import Tensor
 
-from seqpipe.checkpoint import is_recomputing
+from seqpipe.checkpoint import is_checkpointing, is_recomputing
 from seqpipe.skip.namespace import Namespace
 
 __all__ = ["SkipKey", "SkipTracker", "StageSkipTracker", "current_skip_tracker",
@@ -76,7 +76,8 @@ class StageSkipTracker(SkipTracker):
     that leaves the partition is collected in ``outgoing`` for the engine to send
     straight to the popping partition; one that arrives from another partition is read
     from ``received``. During a checkpoint's recomputation, outgoing stashes are ignored
-    (they were sent already) and received skips are handed out again.
+    (they were sent already) and received skips are handed out again — as copies while
+    checkpointing, so an in-place change in the first run cannot leak into the second.
     """
 
     def __init__(self, crossing: Callable[[SkipKey], bool],
@@ -95,4 +96,9 @@ class StageSkipTracker(SkipTracker):
     def pop(self, ns: Namespace, name: str) -> Optional[Tensor]:
         if not self.crossing((ns, name)):
             return super().pop(ns, name)
-        return self.received[(ns, name)]
+        tensor = self.received[(ns, name)]
+        if tensor is not None and (is_checkpointing() or is_recomputing()):
+            # The recomputation pops the same tensor again; a layer that changes it in
+            # place must not change what the recomputation sees.
+            return tensor.clone()
+        return tensor
