@@ -192,9 +192,14 @@ class Stage:
         return sent, state
 
     def backward(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
-                 skip_grads: Dict[SkipKey, Optional[Tensor]],
+                 skip_grads: Dict[SkipKey, Optional[Tensor]], *, accumulate: bool = False,
                  ) -> Tuple[Grads, List[Tuple[nn.Parameter, Tensor]]]:
-        """Backpropagate one micro-batch; return input/skip gradients and parameter ones."""
+        """Backpropagate one micro-batch; return input/skip gradients and parameter ones.
+
+        With ``accumulate`` the parameter gradients are added to ``.grad`` instead of
+        returned (and parameters' post-accumulate hooks fire, e.g. a gradient reducer's);
+        the local engine returns them so autograd accumulates each parameter once.
+        """
         pairs = [(r, g) for r, g in zip(state.roots, grad_outputs)
                  if r is not None and g is not None]
         pairs += [(state.skip_roots[k], g) for k, g in skip_grads.items()
@@ -204,9 +209,12 @@ class Stage:
         param_grads: List[Tuple[nn.Parameter, Tensor]] = []
         if pairs and wrt:
             roots, grads = zip(*pairs)
-            result = torch.autograd.grad(list(roots), wrt, list(grads), allow_unused=True)
-            param_grads = [(p, g) for p, g in zip(params, result[len(wrt) - len(params):])
-                           if g is not None]
+            if accumulate:
+                torch.autograd.backward(list(roots), list(grads), inputs=wrt)
+            else:
+                result = torch.autograd.grad(list(roots), wrt, list(grads), allow_unused=True)
+                param_grads = [(p, g) for p, g in zip(params, result[len(wrt) - len(params):])
+                               if g is not None]
         return self._received_grads(state), param_grads
 
     @staticmethod

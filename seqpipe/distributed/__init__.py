@@ -1,7 +1,8 @@
 """Pipelines across processes: one stage per rank over ``torch.distributed``."""
 from __future__ import annotations
 
+from seqpipe.distributed.mesh import mesh_groups
 from seqpipe.distributed.pipe import DistributedPipe
 from seqpipe.distributed.transport import PeerError
 
-__all__ = ["DistributedPipe", "PeerError"]
+__all__ = ["DistributedPipe", "PeerError", "mesh_groups"]

@@ -10,12 +10,12 @@ from torch import Tensor, nn
 
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
+from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from seqpipe.partition import check_balance, verify_module
 from seqpipe.pipe import check_chunks
-from seqpipe.pipeline import GradSums
 from seqpipe.schedule import Action, Phase, Schedule, forward_phase, get_schedule, validate_schedule
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
@@ -97,7 +97,7 @@ class DistributedPipe(nn.Module):
         self.balance = self._resolve_balance(module, balance)
         validate_schedule(self.schedule, self.num_stages, self.chunks)
         layout = inspect_skip_layout(module, self.balance)
-        self._check_same_everywhere(module)
+        fingerprint = self._check_same_everywhere(module)
         start = sum(self.balance[:self.stage_index])
         stop = start + self.balance[self.stage_index]
         named = list(module.named_children())
@@ -115,6 +115,11 @@ class DistributedPipe(nn.Module):
         self._layout = layout
         self._transport = Transport(group, self.device)
         self.data_parallel_group = data_parallel_group
+        self._reducer: Optional[GradientReducer] = None
+        if data_parallel_group is not None:
+            check_data_parallel_group(self.stage_index, fingerprint, data_parallel_group,
+                                      self.device)
+            self._reducer = GradientReducer(self._stage.parameters(), data_parallel_group)
         self._validated = {self.chunks}
 
     def _resolve_balance(self, module: nn.Sequential,
@@ -130,7 +135,7 @@ class DistributedPipe(nn.Module):
                 f"{self.num_stages} ranks; give one entry per rank (stage)")
         return balance
 
-    def _check_same_everywhere(self, module: nn.Sequential) -> None:
+    def _check_same_everywhere(self, module: nn.Sequential) -> int:
         config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
                   self.num_stages)
         mine = torch.tensor([_fingerprint(module, config)], dtype=torch.int64,
@@ -144,6 +149,7 @@ class DistributedPipe(nn.Module):
                 f"stages {odd} built a different model or pipeline settings than stage 0 "
                 f"(layers, parameter shapes, balance, chunks, checkpoint or schedule differ); "
                 f"every rank must construct DistributedPipe from the same model and arguments")
+        return values[0]
 
     # -- running -----------------------------------------------------------------------
     @property
@@ -216,17 +222,21 @@ class DistributedPipe(nn.Module):
             call.checkpoint_stop = checkpoint_stop(mode, len(batches))
             if self.is_last:
                 targets, weights = self._split_target(target, len(batches))
-        sums = GradSums()
-        for action in self._actions(len(batches)):
+        actions = self._actions(len(batches))
+        last_backward = max(n for n, a in enumerate(actions) if a.phase is Phase.BACKWARD)
+        for n, action in enumerate(actions):
             with call.guard(describe(action)):
                 if action.phase is Phase.FORWARD:
                     call.forward(action.microbatch, batches, targets, loss_fn, weights)
                 else:
-                    sums.add(call.backward(action.microbatch))
+                    if n == last_backward and self._reducer is not None:
+                        self._reducer.arm()  # gradients final from here: reduce as they land
+                    call.backward(action.microbatch)
         with call.guard("end of the step"):
             self._stage.finish_forward()
             loss = self._close(call, torch.stack(call.losses).sum() if self.is_last else None)
-            self._accumulate(sums)
+            if self._reducer is not None:
+                self._reducer.finish()
         assert loss is not None
         return loss
 
@@ -239,14 +249,6 @@ class DistributedPipe(nn.Module):
                              f"{m} micro-batches; input and target need the same batch size")
         sizes = [p.tensors[0].shape[0] for p in pieces]
         return [p.value for p in pieces], [n / sum(sizes) for n in sizes]
-
-    def _accumulate(self, sums: GradSums) -> None:
-        for param, grad in sums.sums.items():
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
-        if self.data_parallel_group is not None:
-            from seqpipe.distributed.data_parallel import average_gradients
-
-            average_gradients(self._stage.parameters(), self.data_parallel_group)
 
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:

@@ -142,8 +142,8 @@ class Call:
         self.losses.append(scaled.detach())
         return scaled
 
-    def backward(self, i: int) -> List[Tuple[torch.nn.Parameter, Tensor]]:
-        """Run ``B(i)``: receive gradients, backpropagate, send gradients back."""
+    def backward(self, i: int) -> None:
+        """Run ``B(i)``: receive gradients, backpropagate into ``.grad``, send gradients back."""
         s = self.index
         if self.last:
             grads: Tuple[Optional[Tensor], ...] = (torch.ones((), device=self.stage.device),)
@@ -152,13 +152,13 @@ class Call:
         skip_grads = {skip.key: self.need(skip.pop_partition, Kind.SKIP_GRAD, i,
                                           self.key_index(skip.key)).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
-        received, params = self.stage.backward(self.states.pop(i), grads, skip_grads)
+        received, _ = self.stage.backward(self.states.pop(i), grads, skip_grads,
+                                          accumulate=True)
         if s > 0:
             self.send(s - 1, Kind.GRAD, i, received.inputs)
         for key, grad in received.skips.items():
             self.send(self.layout.stash_partition(*key), Kind.SKIP_GRAD, i, [grad],
-                                key=self.key_index(key))
-        return params
+                      key=self.key_index(key))
 
     # -- failure handling --------------------------------------------------------------
     @contextmanager
