@@ -9,7 +9,7 @@ BatchNorm would reach on the whole mini-batch, with the unbiased variance PyTorc
 """
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import Dict, Type, cast
 
 import torch
 import torch.nn.functional as F
@@ -63,11 +63,12 @@ class DeferredBatchNorm(_BatchNorm):
             return
         mean = self._sum / self._count
         var = self._m2 / max(self._count - 1, 1)
-        self.num_batches_tracked += 1  # type: ignore[operator]
-        momentum = self.momentum
-        factor = 1.0 / float(self.num_batches_tracked) if momentum is None else momentum
-        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-        self.running_var.mul_(1 - factor).add_(var.to(self.running_var.dtype), alpha=factor)
+        tracked = cast(Tensor, self.num_batches_tracked)
+        tracked.add_(1)
+        factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
+        for running, value in ((self.running_mean, mean), (self.running_var, var)):
+            running = cast(Tensor, running)
+            running.mul_(1 - factor).add_(value.to(running.dtype), alpha=factor)
         self._reset_accumulators()
 
 
@@ -91,5 +92,5 @@ def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
         if (isinstance(layer, _BatchNorm) and not isinstance(layer, DeferredBatchNorm)
                 and not isinstance(layer, nn.SyncBatchNorm) and layer.track_running_stats):
             layer.__class__ = _deferred_class(type(layer))
-            layer._reset_accumulators()  # type: ignore[attr-defined]
+            cast(DeferredBatchNorm, layer)._reset_accumulators()
     return module

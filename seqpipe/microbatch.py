@@ -59,9 +59,9 @@ def check_input(input: object) -> None:
                         f"batch on dim 0, got {_describe(input)}") from None
     if not batch.tensors:
         raise TypeError("the input is an empty tuple; pass at least one tensor")
-    sizes = {t.shape[0] if t.dim() > 0 else None for t in batch.tensors}
-    if None in sizes:
+    if any(t.dim() == 0 for t in batch.tensors):
         raise ValueError("every input tensor needs a batch dimension (dim 0); got a 0-dim tensor")
+    sizes = {t.shape[0] for t in batch.tensors}
     if len(sizes) != 1:
         raise ValueError(
             f"all input tensors must share the batch size on dim 0, got sizes {sorted(sizes)}")

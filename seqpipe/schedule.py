@@ -402,7 +402,7 @@ class Simulation:
 
 def _per_stage(cost: Cost, num_stages: int, label: str) -> list[float]:
     """Expand a scalar or per-stage cost into one non-negative float per stage."""
-    values = [cost] * num_stages if isinstance(cost, Real) else list(cost)
+    values = [cost] * num_stages if isinstance(cost, Real) else list(cost)  # type: ignore[arg-type]
     if len(values) != num_stages:
         raise ValueError(f"{label} needs {num_stages} per-stage values, got {len(values)}")
     for v in values:

@@ -110,7 +110,7 @@ class TaskState:
 
 
 def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
-    return get_gradient_edge(tensor) if wants_grad(tensor) else None
+    return get_gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
 
 
 class Stage:
@@ -175,7 +175,7 @@ class Stage:
         present = [i for i, t in enumerate(incoming) if t is not None]
         state = TaskState(None, None, len(received.inputs), keys, present)
         if any(received.grad_flags[i] for i in present):
-            state.box = _Box([incoming[i] for i in present],
+            state.box = _Box([t for t in incoming if t is not None],
                              [received.grad_flags[i] for i in present])
             state.phony = torch.empty(0, device=self.device, requires_grad=True)
             for i, t in zip(present, _Receive.apply(state.phony, state.box)):
@@ -200,12 +200,15 @@ class Stage:
         returned (and parameters' post-accumulate hooks fire, e.g. a gradient reducer's);
         the local engine returns them so autograd accumulates each parameter once.
         """
-        pairs = [(r, g) for r, g in zip(state.roots, grad_outputs)
-                 if r is not None and g is not None]
-        pairs += [(state.skip_roots[k], g) for k, g in skip_grads.items()
-                  if state.skip_roots.get(k) is not None and g is not None]
+        pairs: List[Tuple[GradientEdge, Tensor]] = [
+            (r, g) for r, g in zip(state.roots, grad_outputs) if r is not None and g is not None]
+        for key, grad in skip_grads.items():
+            root = state.skip_roots.get(key)
+            if root is not None and grad is not None:
+                pairs.append((root, grad))
         params = self.parameters()
-        wrt: List[Tensor] = ([state.phony] if state.phony is not None else []) + params
+        wrt: List[Tensor] = [state.phony] if state.phony is not None else []
+        wrt += params
         param_grads: List[Tuple[nn.Parameter, Tensor]] = []
         if pairs and wrt:
             roots, grads = zip(*pairs)

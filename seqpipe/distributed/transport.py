@@ -130,10 +130,12 @@ class Transport:
     def _isend(self, tensor: Tensor, stage: int) -> None:
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=self._global(stage), group=self.group)
+        assert work is not None
         self._pending.append((work, tensor, stage))
 
     def _recv(self, tensor: Tensor, stage: int) -> Tensor:
         work = dist.irecv(tensor, src=self._global(stage), group=self.group)
+        assert work is not None
         if self.timeout is None:
             work.wait()
         else:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 from torch import nn
 
@@ -75,12 +75,11 @@ def skippable(
 
     def decorate(cls: ModuleClass) -> ModuleClass:
         _check_decoratable(cls)
-        cls.forward = _make_driver(_user_forward(cls))
-        cls.stashable_names = stashable
-        cls.poppable_names = poppable
-        cls.isolate = isolate
-        cls.namespaced = namespaced
-        setattr(cls, _MARKER, True)
+        added = {"forward": _make_driver(_user_forward(cls)), "stashable_names": stashable,
+                 "poppable_names": poppable, "isolate": isolate, "namespaced": namespaced,
+                 _MARKER: True}
+        for attr, value in added.items():
+            setattr(cls, attr, value)
         return cls
 
     return decorate
@@ -115,7 +114,7 @@ def _check_decoratable(cls: Any) -> None:
 
 def _user_forward(cls: type) -> Callable[..., Any]:
     """The user's forward, unwrapping the driver a skippable base class installed."""
-    forward = cls.forward
+    forward = cast(Any, cls).forward
     return getattr(forward, "__skippable_generator__", forward)
 
 
@@ -172,7 +171,7 @@ def _serve(layer: nn.Module, request: object) -> Any:
 
 def _namespace_for(layer: nn.Module, name: str, kind: str) -> Namespace:
     """The namespace of a declared name, or a TypeError saying how to declare it."""
-    declared = type(layer).stashable_names if kind == "stash" else type(layer).poppable_names
+    declared = getattr(type(layer), "stashable_names" if kind == "stash" else "poppable_names")
     if name not in declared:
         cls = type(layer).__qualname__
         raise TypeError(f"{cls}.forward yielded {kind}('{name}') but {cls} does not declare "
@@ -224,7 +223,7 @@ def namespaced(self: Any, name: str) -> tuple[Namespace, str]:
 class SkipSite(NamedTuple):
     """One declared stash or pop of a direct child of an ``nn.Sequential``."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, on purpose: it is the layer
     layer: nn.Module
     ns: Namespace
     name: str
@@ -255,4 +254,4 @@ def _sites(module: nn.Sequential, attr: str) -> Iterator[SkipSite]:
     for index, layer in enumerate(module):
         if is_skippable(layer):
             for name in sorted(getattr(type(layer), attr)):
-                yield SkipSite(index, layer, layer.namespaced(name)[0], name)
+                yield SkipSite(index, layer, cast(Any, layer).namespaced(name)[0], name)
