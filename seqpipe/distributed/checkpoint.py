@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -49,7 +50,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from seqpipe.distributed.pipe import DistributedPipe
 
-__all__ = ["OPTIONS", "save", "load", "load_into_plain", "gather_full_state_dict"]
+__all__ = ["OPTIONS", "CheckpointError", "save", "load", "load_into_plain",
+           "gather_full_state_dict"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -59,6 +61,24 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 _MODEL = "model"
 _OPTIM = "optim"
+
+
+class CheckpointError(RuntimeError):
+    """Saving or loading failed; raised on every rank, naming each failing rank's error.
+
+    It wraps DCP's ``CheckpointException`` (its ``__cause__``), which derives from
+    ``BaseException`` and so slips through ``except Exception``.
+    """
+
+
+def _dcp(what: str, path: PathLike, call: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        call(*args, **kwargs)
+    except CheckpointException as exc:
+        reasons = "; ".join(f"rank {rank}: {type(err).__name__}: {err}"
+                            for rank, (err, _) in sorted(exc.failures.items()))
+        raise CheckpointError(f"{what} the checkpoint at {os.fspath(path)!r} failed: "
+                              f"{reasons}") from exc
 
 
 def _has_state(module: nn.Module) -> bool:
@@ -101,8 +121,8 @@ def save(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: Pa
     Keys: ``"model.<original key>"``, ``"optim.state.<param>.<name>"`` and
     ``"optim.param_groups.<param>.<hyperparameter>"``.
     """
-    dcp.save(_state_dicts(module, optimizer, for_load=False), checkpoint_id=path,
-             process_group=process_group)
+    _dcp("saving", path, dcp.save, _state_dicts(module, optimizer, for_load=False),
+         checkpoint_id=path, process_group=process_group)
 
 
 def load(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: PathLike, *,
@@ -115,9 +135,9 @@ def load(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: Pa
     hyperparameters (``lr``, momentum, ...), as ``Optimizer.load_state_dict`` does.
 
     Raises:
-        CheckpointException: (from DCP, on every rank) a key this rank needs is not in
-            the checkpoint ("Missing key in checkpoint state_dict: model.5.weight"), or
-            a shape does not match.
+        CheckpointError: (on every rank) some rank needs a key the checkpoint lacks
+            ("rank 1: RuntimeError: Missing key in checkpoint state_dict:
+            model.5.weight."), or a shape does not match; DCP's own message.
         ValueError: with ``strict``, the checkpoint holds model entries that no stage of
             this model has (a bigger or different model saved it).
     """
@@ -141,7 +161,8 @@ def _load(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: P
     state = _state_dicts(module, optimizer, for_load=True)
     if strict:
         _check_no_unexpected(module, state[_MODEL], path, no_dist)
-    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=no_dist)
+    _dcp("loading", path, dcp.load, state, checkpoint_id=path, process_group=process_group,
+         no_dist=no_dist)
     if state[_MODEL]:
         set_model_state_dict(module, state[_MODEL], options=OPTIONS)
     if optimizer is not None:
@@ -161,7 +182,7 @@ def _check_no_unexpected(module: nn.Module, model_state: Dict[str, Any], path: P
     saved = sorted(k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix))
     count = len(model_state)
     distributed = isinstance(module, DistributedPipe) and not no_dist
-    if distributed:
+    if isinstance(module, DistributedPipe) and not no_dist:
         total = torch.tensor([count], dtype=torch.int64, device=module.device)
         dist.all_reduce(total, group=module.group)
         count = int(total.item())
@@ -251,7 +272,8 @@ def gather_full_state_dict(pipe: DistributedPipe, dst: int = 0) -> Optional[Dict
                 torch.frombuffer(bytearray(names), dtype=torch.uint8).to(device),
                 *(v.detach().contiguous() for v in local.values()))]
             for work in works:
-                work.wait()
+                if work is not None:
+                    work.wait()
         return None
 
     full: Dict[str, Tensor] = {}
