@@ -572,7 +572,10 @@ def test_layout_partitions(balance: list[int], expected: list[tuple]) -> None:
 
 def test_layout_queries_with_skips_crossing_zero_one_and_two_boundaries() -> None:
     layout = inspect_skip_layout(layout_model(), [3, 3, 2])
-    names = lambda skips: [skip.name for skip in skips]
+
+    def names(skips: list) -> list:
+        return [skip.name for skip in skips]
+
     assert names(layout.skips_stashed_by(0)) == ["y", "b"]  # y crosses 2, b crosses 1
     assert names(layout.skips_stashed_by(1)) == ["c"]
     assert names(layout.skips_stashed_by(2)) == []

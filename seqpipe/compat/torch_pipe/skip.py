@@ -1,0 +1,13 @@
+"""``torch.distributed.pipeline.sync.skip``: skip connections, seqpipe's implementation.
+
+The API is the same (``@skippable(stash=..., pop=...)``, ``yield stash(name, tensor)``,
+``yield pop(name)``, ``Namespace``, ``layer.isolate(ns, only=...)``, ``verify_skippables``).
+``@skippable`` returns the user's own class rather than a wrapper around it, so a layer's
+attributes are its own (``down.lin``, not ``down.module.lin``) and its ``state_dict`` keys
+have no ``module.`` level; ``Pipe.load_state_dict`` still accepts the old keys.
+"""
+from __future__ import annotations
+
+from seqpipe.skip import Namespace, pop, skippable, stash, verify_skippables
+
+__all__ = ["skippable", "stash", "pop", "verify_skippables", "Namespace"]

@@ -1,0 +1,13 @@
+"""``torchgpipe.skip``: skip connections, seqpipe's implementation under torchgpipe's names.
+
+The API is the same (``@skippable(stash=..., pop=...)``, ``yield stash(name, tensor)``,
+``yield pop(name)``, ``Namespace``, ``layer.isolate(ns, only=...)``, ``verify_skippables``).
+One thing a user can see differs, for the better: ``@skippable`` returns the user's own class
+rather than a wrapper around it, so a layer's attributes are its own (``down.lin``, where
+torchgpipe needed ``down.module.lin``) and its ``state_dict`` keys have no ``module.`` level.
+"""
+from __future__ import annotations
+
+from seqpipe.skip import Namespace, pop, skippable, stash, verify_skippables
+
+__all__ = ["skippable", "stash", "pop", "verify_skippables", "Namespace"]
