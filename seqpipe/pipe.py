@@ -47,6 +47,10 @@ class _PipeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # autograd runs backward with grad on for create_graph
+            raise RuntimeError(
+                "Pipe does not support higher-order gradients (backward or autograd.grad "
+                "with create_graph=True); compute them on the unwrapped model")
         return (None, *ctx.call.backward(grads))
 
 

@@ -106,7 +106,12 @@ class LocalPipeline:
             return Program(s, forward_phase(self._actions(s, m)), ready, execute,
                            self.stages[s].device)
 
-        run_groups([[program(s)] for s in range(k)], mailbox, ThreadState())
+        try:
+            run_groups([[program(s)] for s in range(k)], mailbox, ThreadState())
+        except BaseException:
+            for stage in self.stages:
+                stage.finish_forward(failed=True)
+            raise
         for stage in self.stages:
             stage.finish_forward()
         return run

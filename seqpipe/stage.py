@@ -230,8 +230,15 @@ class Stage:
         skips = dict(zip(state.skip_keys, grads[state.num_inputs:]))
         return Grads(tuple(grads[:state.num_inputs]), skips)
 
-    def finish_forward(self) -> None:
-        """End of a mini-batch's forwards: commit deferred BatchNorm statistics."""
+    def finish_forward(self, *, failed: bool = False) -> None:
+        """End of a mini-batch's forwards: commit deferred BatchNorm statistics.
+
+        After a failed call the partial statistics are dropped instead, so they cannot leak
+        into the next mini-batch's update.
+        """
         for module in self.partition.modules():
             if isinstance(module, DeferredBatchNorm):
-                module.commit()
+                if failed:
+                    module._reset_accumulators()
+                else:
+                    module.commit()

@@ -168,3 +168,29 @@ def test_conversion_keeps_the_layer_its_class_and_its_state_dict_keys():
     assert pipe[1] is bn
     assert isinstance(bn, nn.BatchNorm1d)
     assert list(pipe.state_dict()) == keys
+
+
+def test_a_failed_forward_does_not_leak_statistics_into_the_next_update() -> None:
+    class FailOnce(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.armed = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.armed and x.shape[0] == 2:  # the last micro-batch of the bad call
+                self.armed = False
+                raise RuntimeError("fail")
+            return x
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3)
+    plain = copy.deepcopy(bn)
+    pipe = Pipe(nn.Sequential(bn, FailOnce()), chunks=4, deferred_batch_norm=True,
+                balance=[1, 1], devices=["cpu", "cpu"])
+    with pytest.raises(RuntimeError, match="fail"):
+        pipe(torch.randn(10, 3) * 5 + 3)  # micro-batches 3, 3, 2, 2: fails at the third
+    x = torch.randn(8, 3)
+    pipe(x)
+    plain(x)
+    torch.testing.assert_close(bn.running_mean, plain.running_mean)
+    torch.testing.assert_close(bn.running_var, plain.running_var)

@@ -83,6 +83,12 @@ def _injected(rank: int, world: int) -> None:
         assert isinstance(info.value, PeerError)
         assert "loss_fn must return a scalar tensor" in str(info.value)
     pipe = _pipe(nn.Linear(4, 4), "1f1b", dist.new_group(list(range(world))))
+    with pytest.raises(Exception) as info:  # a target of 16 samples for an input of 8
+        pipe.train_step(torch.randn(8, 4) if rank == 0 else None,
+                        torch.randn(16, 4) if rank == world - 1 else None,
+                        nn.functional.mse_loss)
+    assert "the output has 2 samples but its slice of the target has 4" in str(info.value)
+    pipe = _pipe(nn.Linear(4, 4), "1f1b", dist.new_group(list(range(world))))
     assert torch.isfinite(_step(pipe, rank, world))  # a fresh group works after failures
 
 

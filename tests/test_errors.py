@@ -290,3 +290,11 @@ def test_exception_in_a_worker_backward_reaches_the_caller(mode):
         h.sum().backward()
     assert type(info.value) is ArithmeticError
     assert_raised_from(info.value, "backward", 1, "backward", 1)
+
+
+def test_higher_order_gradients_raise_instead_of_silently_dropping_the_graph() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"])
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(pipe(x).sum(), x, create_graph=True)

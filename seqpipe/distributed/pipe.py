@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import zlib
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -214,6 +215,19 @@ class DistributedPipe(nn.Module):
         ``loss_fn`` equals ``loss_fn`` on the whole batch.
         """
         call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=True)
+        with self._dropping_statistics_on_failure():
+            return self._train_step(call, input, target, loss_fn)
+
+    @contextmanager
+    def _dropping_statistics_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self._stage.finish_forward(failed=True)
+            raise
+
+    def _train_step(self, call: Call, input: Optional[TensorOrTensors], target: Any,
+                    loss_fn: LossFn) -> Tensor:
         targets: Optional[List[Any]] = None
         weights: List[float] = []
         with call.guard("start of the step"):
@@ -254,6 +268,11 @@ class DistributedPipe(nn.Module):
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
         """Inference: the output on the last stage, ``None`` on the others."""
         call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=False)
+        with self._dropping_statistics_on_failure():
+            return self._forward(call, input)
+
+    def _forward(self, call: Call,
+                 input: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:
         with call.guard("start of the call"):
             batches = self._open(call, input)
         for action in forward_phase(self._actions(len(batches))):

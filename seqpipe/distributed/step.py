@@ -133,6 +133,12 @@ class Call:
 
     def _loss(self, i: int, outputs: Batch, target: Any, loss_fn: LossFn,
               weight: float) -> Tensor:
+        if isinstance(target, Tensor) and target.dim() > 0 and \
+                target.shape[0] != outputs.tensors[0].shape[0]:
+            raise ValueError(
+                f"micro-batch {i}: the output has {outputs.tensors[0].shape[0]} samples but "
+                f"its slice of the target has {target.shape[0]}; input and target need the "
+                f"same batch size")
         with torch.enable_grad():
             loss = loss_fn(outputs.value, target)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
