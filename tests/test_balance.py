@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable, Generator, Sequence
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time, solve
@@ -43,28 +42,40 @@ def _brute_force(costs: Sequence[int], partitions: int) -> list[int]:
     return min(_splits(len(costs), partitions), key=key)
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None)
-@given(st.data())
-def test_solve_matches_brute_force_on_integer_costs(data: st.DataObject) -> None:
-    costs = data.draw(st.lists(st.sampled_from([0, 0, 1, 2, 3, 5, 8]), min_size=1, max_size=10))
-    partitions = data.draw(st.integers(1, min(5, len(costs))))
-    assert solve(costs, partitions) == _brute_force(costs, partitions)
+def _random_cases(seed: int, count: int, draw_cost: Callable[[random.Random], float],
+                  ) -> list[tuple[list[float], int]]:
+    """Seeded random (costs, partitions) cases: 1-10 layers, 1-5 partitions."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        costs = [draw_cost(rng) for _ in range(rng.randint(1, 10))]
+        cases.append((costs, rng.randint(1, min(5, len(costs)))))
+    return cases
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None)
-@given(st.data())
-def test_solve_is_optimal_on_float_costs(data: st.DataObject) -> None:
-    cost = st.one_of(st.just(0.0), st.floats(0, 1), st.floats(0, 1e6))
-    costs = data.draw(st.lists(cost, min_size=1, max_size=10))
-    partitions = data.draw(st.integers(1, min(5, len(costs))))
-    counts = solve(costs, partitions)
-    assert len(counts) == partitions and sum(counts) == len(costs) and min(counts) >= 1
+def _integer_cost(rng: random.Random) -> float:
+    return rng.choice([0, 0, 1, 2, 3, 5, 8])  # zeros and ties on purpose
 
-    def largest(split: list[int]) -> float:
-        return max(math.fsum(part) for part in _parts(costs, split))
 
-    best = min(largest(split) for split in _splits(len(costs), partitions))
-    assert math.isclose(largest(counts), best, rel_tol=1e-12, abs_tol=1e-300)
+def _float_cost(rng: random.Random) -> float:
+    return rng.choice([0.0, rng.uniform(0, 1), rng.uniform(0, 1e6)])
+
+
+def test_solve_matches_brute_force_on_integer_costs() -> None:
+    for costs, partitions in _random_cases(0, 400, _integer_cost):
+        assert solve(costs, partitions) == _brute_force(costs, partitions), (costs, partitions)
+
+
+def test_solve_is_optimal_on_float_costs() -> None:
+    for costs, partitions in _random_cases(1, 200, _float_cost):
+        counts = solve(costs, partitions)
+        assert len(counts) == partitions and sum(counts) == len(costs) and min(counts) >= 1
+
+        def largest(split: list[int], costs: list[float] = costs) -> float:
+            return max(math.fsum(part) for part in _parts(costs, split))
+
+        best = min(largest(split) for split in _splits(len(costs), partitions))
+        assert math.isclose(largest(counts), best, rel_tol=1e-12, abs_tol=1e-300), costs
 
 
 @pytest.mark.parametrize("costs, partitions, expected", [
