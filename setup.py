@@ -11,7 +11,7 @@ setup(
     package_data={"seqpipe": ["py.typed"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.8", "typing-extensions>=4.6"],
-    extras_require={"test": ["pytest>=7", "pytest-benchmark>=4"]},
+    extras_require={"test": ["pytest>=7", "pytest-benchmark>=4", "numpy"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
