@@ -171,7 +171,8 @@ class LocalPipeline:
         programs = [program(s) for s in range(k)]
         inline = [p for p in programs if p.device.type != "cpu"]
         threaded = [[p] for p in programs if p.device.type == "cpu"]
-        run_groups([inline, *threaded] if inline else threaded, mailbox)
+        run_groups([inline, *threaded] if inline else threaded, mailbox,
+                   ThreadState(autocast=False))
         total = GradSums()
         for part in sums:  # a parameter shared by two stages gets both sums
             total.add(list(part.sums.items()))

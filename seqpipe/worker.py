@@ -74,13 +74,20 @@ class Program:
 
 
 class ThreadState:
-    """Thread-local settings of the caller (autocast) replayed in each worker thread."""
+    """Thread-local settings of the caller replayed in each worker thread.
 
-    def __init__(self) -> None:
-        self.autocast = [(kind, torch.get_autocast_dtype(kind))
-                         for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+    The intra-op thread count (``torch.set_num_threads`` sets it for the calling thread
+    only; a new thread would start from the default) and, for forwards, autocast.
+    """
+
+    def __init__(self, *, autocast: bool = True) -> None:
+        self.num_threads = torch.get_num_threads()
+        self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+                         if autocast and torch.is_autocast_enabled(kind)]
 
     def enter(self, stack: ExitStack) -> None:
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
         for kind, dtype in self.autocast:
             stack.enter_context(torch.autocast(kind, dtype=dtype))
 
