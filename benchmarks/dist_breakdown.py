@@ -1,0 +1,463 @@
+"""Where a two-rank training step's time goes: seqpipe DistributedPipe vs torch pipelining.
+
+A diagnostic companion of ``dist_vs_torch_pipelining.py`` (same model, ranks, micro-batches
+and variants). Nothing in ``seqpipe`` is changed; the worker processes wrap a few functions
+of both libraries (monkeypatching, in the worker only) to split each rank's step time into
+self-time categories:
+
+* seqpipe: ``Stage.forward`` (compute F), ``Stage.backward`` (compute B, which accumulates
+  into ``.grad``), the loss, ``Transport._recv`` waits split into
+  *header* (the 256 × int64 message header) and *payload* receives, ``Transport.send``
+  (posting the isends), ``Transport.flush``;
+* torch: ``forward_one_chunk``, ``backward_one_chunk``, the loss, ``_wait_batch_p2p``
+  (waiting on sends and receives), ``_batch_p2p`` (posting them), ``perform_reduce_grad``
+  (the ``1/M`` gradient scaling);
+
+and whatever is left of the step ("rest": schedule bookkeeping, Python, the barrier exit).
+
+Two *what-if* variants show what a change to seqpipe's transport would buy (again without
+editing seqpipe: the pipe's ``_transport`` object is replaced in the worker):
+
+* ``seqpipe <clock> +prepost``: one receive of the next header from each peer is always
+  posted (re-posted as soon as a message is taken), so the header's rendezvous happens
+  while the stage computes, not when it needs the message;
+* ``seqpipe <clock> +recv-thread``: one Python thread per peer receives messages (header,
+  then payload) as soon as the peer sends them and queues them for the step; the step
+  only waits if the message has not arrived yet.
+
+``--latency`` also times single gloo receives on loopback (2 KiB header and one
+activation) when the send was posted well before the receive, with the sender idle or
+busy computing: the price of one rendezvous (gloo's TCP transport moves an unbound
+buffer only after the receiver has posted its receive and told the sender so).
+
+Run: ``PYTHONPATH=. python benchmarks/dist_breakdown.py --latency`` (``--help`` for more).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining.schedules as torch_schedules
+from _common import make_model, pin_malloc
+from dist_vs_torch_pipelining import (
+    ONE,
+    SEQ,
+    TORCH,
+    Variants,
+    _busy_seconds,
+    _init,
+    _own_cpu,
+    loss_fn,
+    machine_line,
+    spawn,
+)
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+import seqpipe.distributed.step as seq_step
+import seqpipe.distributed.transport as seq_transport
+import seqpipe.stage as seq_stage
+from seqpipe.distributed import DistributedPipe
+from seqpipe.distributed.transport import HEADER_SLOTS, Message, Transport
+
+WHAT_IF = ("+prepost", "+recv-thread", "+recv-ahead")
+
+
+# -- a self-time profiler --------------------------------------------------------------
+class Clock:
+    """Exclusive (self) time per label; nested wrapped calls are charged to the innermost.
+
+    Only the main thread (the one running the step) is timed.
+    """
+
+    def __init__(self) -> None:
+        self.totals: Dict[str, float] = defaultdict(float)
+        self.counts: Dict[str, int] = defaultdict(int)
+        self._stack: List[List[Any]] = []  # [label, start, time spent in children]
+        self.events: Optional[List[Tuple[str, float, float, int]]] = None  # when recording
+
+    def wrap(self, label: Callable[..., str] | str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        main = threading.main_thread()
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not main:  # a receiver thread: off the step's path
+                return fn(*args, **kwargs)
+            name = label(*args, **kwargs) if callable(label) else label
+            frame = [name, time.perf_counter(), 0.0]
+            self._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stack.pop()
+                spent = time.perf_counter() - frame[1]
+                self.totals[name] += spent - frame[2]
+                self.counts[name] += 1
+                if self.events is not None:
+                    self.events.append((name, frame[1], frame[1] + spent, len(self._stack)))
+                if self._stack:
+                    self._stack[-1][2] += spent
+        return timed
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.counts.clear()
+
+
+CLOCK = Clock()
+
+
+def _recv_label(self: Transport, tensor: torch.Tensor, stage: int) -> str:
+    header = tensor.dtype == torch.int64 and tensor.numel() == HEADER_SLOTS
+    return "recv wait: header" if header else "recv wait: payload"
+
+
+def instrument() -> None:
+    """Wrap the functions whose time we split out (this process only)."""
+    patches: List[Tuple[Any, str, Any]] = [
+        (seq_stage.Stage, "forward", "compute F"),
+        (seq_stage.Stage, "backward", "compute B"),
+        (seq_step.Call, "_loss", "loss"),
+        (Transport, "_recv", _recv_label),
+        (Transport, "send", "post sends"),
+        (Transport, "flush", "wait sends (flush)"),
+        (_PipelineStageBase, "forward_one_chunk", "compute F"),
+        (_PipelineStageBase, "backward_one_chunk", "compute B"),
+        (_PipelineStageBase, "perform_reduce_grad", "grad scaling"),
+        (torch_schedules.PipelineScheduleSingle, "_maybe_compute_loss", "loss"),
+        (torch_schedules, "_wait_batch_p2p", "p2p wait"),
+        (torch_schedules, "_batch_p2p", "p2p post"),
+    ]
+    for owner, name, label in patches:
+        setattr(owner, name, CLOCK.wrap(label, getattr(owner, name)))
+
+
+# -- what-if transports ----------------------------------------------------------------
+class Prepost(Transport):
+    """Keeps the next header receive from each peer posted at all times."""
+
+    def __init__(self, base: Transport) -> None:
+        super().__init__(base.group, base.device, base.timeout)
+        self._next: Dict[int, Tuple[Any, torch.Tensor]] = {}
+
+    def _post_header(self, stage: int) -> None:
+        buf = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        self._next[stage] = (dist.irecv(buf, src=self._global(stage), group=self.group), buf)
+
+    def recv(self, stage: int) -> Message:
+        if stage not in self._next:
+            self._post_header(stage)
+        work, buf = self._next.pop(stage)
+        CLOCK.wrap("recv wait: header", work.wait)()
+        kind, microbatch, key, count, atomic, specs = seq_transport._decode(buf.tolist())
+        bufs = [None if s is None else torch.empty(s[2], dtype=s[0], device=self.device)
+                for s in specs]
+        post = CLOCK.wrap("post recvs", dist.irecv)
+        works = [post(b, src=self._global(stage), group=self.group) for b in bufs if b is not None]
+        CLOCK.wrap("post recvs", self._post_header)(stage)  # after the payload: FIFO matching
+        for w in works:
+            CLOCK.wrap("recv wait: payload", w.wait)()
+        flags = tuple(bool(s and s[1]) for s in specs)
+        return Message(kind, microbatch, key, tuple(bufs), flags, count, atomic)
+
+
+class RecvThread(Transport):
+    """One thread per peer receives whole messages as soon as they come."""
+
+    def __init__(self, base: Transport, peers: Sequence[int]) -> None:
+        super().__init__(base.group, base.device, base.timeout)
+        self._inbox: Dict[int, "queue.SimpleQueue[Any]"] = {p: queue.SimpleQueue() for p in peers}
+        for peer in peers:
+            threading.Thread(target=self._loop, args=(peer,), daemon=True).start()
+
+    def _loop(self, stage: int) -> None:
+        while True:
+            try:
+                message: Any = Transport.recv(self, stage)
+            except BaseException as exc:  # noqa: BLE001 - handed to the step
+                self._inbox[stage].put(exc)
+                return
+            self._inbox[stage].put(message)
+
+    def recv(self, stage: int) -> Message:
+        item = CLOCK.wrap("recv wait: queue", self._inbox[stage].get)()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class RecvAhead(Transport):
+    """Posts the receives of the next message from each peer before the peer sends it.
+
+    What torch.distributed.pipelining does once it knows the shapes: a receive that is
+    already posted when the send is issued lets the sender write the data straight away,
+    instead of queueing it until a "ready to receive" notice comes back. Here the next
+    message is predicted for this benchmark's 2-stage training step (stage 1 gets STEP,
+    M activations, DONE from stage 0; stage 0 gets M gradients and the LOSS from stage 1)
+    with every activation/gradient of one fixed shape; a wrong guess raises. In seqpipe the
+    same information is known exactly: every rank has the schedule, so it knows which
+    messages each peer sends it and in what order, and the shapes of a step can be cached
+    from the previous step (as torch caches them from its first step), with a header flag
+    for a change.
+    """
+
+    def __init__(self, base: Transport, rank: int, chunks: int,
+                 shape: Tuple[int, ...]) -> None:
+        super().__init__(base.group, base.device, base.timeout)
+        act = [(torch.float32, shape)]
+        # what this rank receives in one step, in order
+        self._plan = ([[]] + [act] * chunks + [[]] if rank == 1
+                      else [act] * chunks + [[(torch.float32, ())]])
+        self._n = 0
+        self._ahead: Dict[int, Tuple[Any, torch.Tensor, List[Any], List[torch.Tensor]]] = {}
+
+    def _post_next(self, stage: int) -> None:
+        specs = self._plan[self._n % len(self._plan)]
+        self._n += 1
+        src = self._global(stage)
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
+        work = dist.irecv(header, src=src, group=self.group)
+        bufs = [torch.empty(s, dtype=d) for d, s in specs]
+        works = [dist.irecv(b, src=src, group=self.group) for b in bufs]
+        self._ahead[stage] = (work, header, works, bufs)
+
+    def recv(self, stage: int) -> Message:
+        if stage not in self._ahead:
+            self._post_next(stage)
+        work, header, works, bufs = self._ahead.pop(stage)
+        CLOCK.wrap("recv wait: header", work.wait)()
+        kind, microbatch, key, count, atomic, specs = seq_transport._decode(header.tolist())
+        got = [(s[0], tuple(s[2])) for s in specs if s is not None]
+        if got != [(b.dtype, tuple(b.shape)) for b in bufs]:
+            raise RuntimeError(f"recv-ahead guessed {[tuple(b.shape) for b in bufs]}, got {got}")
+        for w in works:
+            CLOCK.wrap("recv wait: payload", w.wait)()
+        CLOCK.wrap("post recvs", self._post_next)(stage)
+        flags = tuple(bool(s and s[1]) for s in specs)
+        return Message(kind, microbatch, key, tuple(bufs), flags, count, atomic)
+
+
+def what_if_steps(variants: Variants, rank: int, model: torch.nn.Sequential,
+                  chunks: int) -> Dict[str, Callable[[], None]]:
+    half = len(model) // 2
+    steps = {}
+    for clock in ("fill_drain", "1f1b"):
+        for tag in WHAT_IF:
+            # its own group: receives it keeps posted between steps must not match the
+            # messages of the other variants
+            group = dist.new_group([0, 1])
+            pipe = DistributedPipe(copy.deepcopy(model), chunks=chunks, balance=[half, half],
+                                   schedule=clock, checkpoint="never", device="cpu",
+                                   group=group)
+            base = pipe._transport
+            if tag == "+prepost":
+                pipe._transport = Prepost(base)
+            elif tag == "+recv-thread":
+                pipe._transport = RecvThread(base, [1 - rank])
+            else:
+                shape = tuple(variants.x.chunk(chunks)[0].shape)
+                pipe._transport = RecvAhead(base, rank, chunks, shape)
+            x = variants.x if rank == 0 else None
+            y = variants.y if rank == 1 else None
+            params = list(pipe.parameters())
+
+            def step(pipe: DistributedPipe = pipe, params: List[Any] = params,
+                     x: Any = x, y: Any = y) -> None:
+                for p in params:
+                    p.grad = None
+                pipe.train_step(x, y, loss_fn)
+            steps[f"seqpipe {clock} {tag}"] = step
+    return steps
+
+
+# -- the ranks -------------------------------------------------------------------------
+def breakdown_rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    pin_malloc()
+    _init(rank, port)
+    instrument()
+    model = make_model(args.width, args.depth)
+    result: Dict[str, Any] = {}
+    if args.latency:
+        result["latency"] = latency(rank, args)
+    variants = Variants(model, rank, args.chunks, args.micro_batch, args.width,
+                        only=(*SEQ, *TORCH, ONE))
+    steps = {name: variants.steps[name] for name in (*SEQ, *TORCH)}
+    if args.what_if:
+        steps.update(what_if_steps(variants, rank, model, args.chunks))
+    names = list(steps)
+    for _ in range(args.warmup):
+        for name in names:
+            dist.barrier()
+            steps[name]()
+    dist.barrier()
+    one = variants.steps[ONE]
+    samples: Dict[str, List[Tuple[float, Dict[str, float]]]] = defaultdict(list)
+    foreign: List[float] = []
+    quiet = r = 0
+    while quiet < args.rounds and r < args.max_rounds:
+        dist.barrier()
+        busy0, own0, w0 = _busy_seconds(), _own_cpu(), time.perf_counter()
+        round_rows = {}
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            CLOCK.reset()
+            t0 = time.perf_counter()
+            steps[name]()
+            t1 = time.perf_counter()
+            round_rows[name] = (t0, t1, dict(CLOCK.totals))
+        dist.barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            one()
+            round_rows[ONE] = (t0, time.perf_counter(), {})
+        dist.barrier()
+        w1, own1, busy1 = time.perf_counter(), _own_cpu(), _busy_seconds()
+        mine = torch.tensor([own1 - own0, busy1 - busy0, w1 - w0], dtype=torch.float64)
+        both = [torch.zeros_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine)
+        load = max(0.0, (float(both[0][1]) - float(both[0][0] + both[1][0])) / float(both[0][2]))
+        r += 1
+        if load > args.max_foreign:
+            continue
+        quiet += 1
+        foreign.append(load)
+        for name, (t0, t1, totals) in round_rows.items():
+            samples[name].append((t0, t1, totals))
+    timelines = {}
+    for name in args.timeline:
+        for _ in range(2):  # the second one is recorded
+            dist.barrier()
+            CLOCK.events = []
+            steps[name]()
+        timelines[name] = CLOCK.events
+        CLOCK.events = None
+    result["timelines"] = timelines
+    result["samples"] = dict(samples)
+    result["foreign"] = foreign
+    result["rounds"] = r
+    out.put((rank, result))
+    dist.barrier()
+    if args.what_if:  # the receiver threads sit in a receive: leave without teardown
+        sys.stdout.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+def latency(rank: int, args: argparse.Namespace) -> Dict[str, List[float]]:
+    """Receive times of a message whose send was posted 2 ms before the receive."""
+    sizes = {"header 2 KiB": torch.zeros(HEADER_SLOTS, dtype=torch.int64),
+             "activation": torch.zeros(args.micro_batch, args.width)}
+    work = torch.randn(256, 1024), torch.randn(1024, 1024)
+    out: Dict[str, List[float]] = defaultdict(list)
+    for label, tensor in sizes.items():
+        for busy in (False, True):
+            for _ in range(40):
+                dist.barrier()
+                if rank == 0:
+                    w = dist.isend(tensor, dst=1)
+                    end = time.perf_counter() + 0.008
+                    while busy and time.perf_counter() < end:
+                        torch.mm(*work)
+                    w.wait()
+                else:
+                    buf = torch.empty_like(tensor)
+                    time.sleep(0.002)
+                    t0 = time.perf_counter()
+                    dist.recv(buf, src=0)
+                    out[f"{label}, sender {'computing' if busy else 'idle'}"].append(
+                        time.perf_counter() - t0)
+    return dict(out)
+
+
+# -- report ----------------------------------------------------------------------------
+def _med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def report(answers: Dict[int, Dict[str, Any]], args: argparse.Namespace) -> List[str]:
+    lines: List[str] = []
+    if "latency" in answers[1]:
+        lines += ["Gloo receive of a message sent 2 ms earlier (median of 40, rank 1):", ""]
+        for label, values in answers[1]["latency"].items():
+            lines.append(f"- {label}: {_med(values) * 1e6:.0f} µs (min {min(values) * 1e6:.0f})")
+        lines.append("")
+    s0, s1 = answers[0]["samples"], answers[1]["samples"]
+    one = _med([t1 - t0 for t0, t1, _ in s0[ONE]])
+    m = args.chunks
+    ideal = 2 * m / (m + 1)
+    lines += [f"M={m}, micro-batch {args.micro_batch}: {len(s0[ONE])} quiet rounds of "
+              f"{answers[0]['rounds']}; foreign load median "
+              f"{_med(answers[0]['foreign']):.2f} cores. 1 process: {one * 1e3:.1f} ms/step.",
+              "", "Per rank, ms per step (median over rounds of each category's self time):", ""]
+    labels = sorted({k for rows in (*s0.values(), *s1.values()) for _, _, t in rows for k in t})
+    lines.append("| variant | step ms | efficiency | vs torch | rank | " + " | ".join(labels)
+                 + " | rest |")
+    lines.append("|---" * (len(labels) + 6) + "|")
+
+    def walls(name: str) -> List[float]:
+        return [max(a[1], b[1]) - min(a[0], b[0]) for a, b in zip(s0[name], s1[name])]
+
+    for name in s0:
+        if name == ONE:
+            continue
+        step = _med(walls(name))
+        ratio = "-"
+        if name.startswith("seqpipe"):  # paired with the torch schedule of the same clock
+            ref = walls(TORCH[0] if "fill_drain" in name else TORCH[1])
+            ratio = f"{_med([t / w for t, w in zip(ref, walls(name))]):.3f}×"
+        for rank, rows in ((0, s0[name]), (1, s1[name])):
+            cells = [_med([t.get(k, 0.0) for _, _, t in rows]) * 1e3 for k in labels]
+            rest = _med([w - sum(t.values()) for w, (_, _, t) in zip(walls(name), rows)]) * 1e3
+            head = (f"| {name} | {step * 1e3:.1f} | {one / step / ideal:.1%} | {ratio}"
+                    if rank == 0 else "| | | |")
+            lines.append(f"{head} | {rank} | " + " | ".join(f"{c:.1f}" for c in cells)
+                         + f" | {rest:.1f} |")
+    for name in args.timeline:
+        lines += ["", f"Timeline of one step of {name} (ms from the first event; events of "
+                  f"at least 0.05 ms; nested ones indented):", "", "```"]
+        both = [answers[r]["timelines"][name] for r in (0, 1)]
+        start = min(e[1] for events in both for e in events)
+        for rank, events in enumerate(both):
+            lines.append(f"rank {rank}:")
+            for label, t0, t1, depth in sorted(events, key=lambda e: (e[1], e[3])):
+                if t1 - t0 >= 5e-5:
+                    lines.append(f"  {'  ' * depth}{(t0 - start) * 1e3:8.2f} "
+                                 f"+{(t1 - t0) * 1e3:6.2f}  {label}")
+        lines.append("```")
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step (M)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--max-foreign", type=float, default=0.3)
+    parser.add_argument("--max-rounds", type=int, default=150)
+    parser.add_argument("--latency", action="store_true", help="also time single receives")
+    parser.add_argument("--timeline", nargs="*", default=[],
+                        help="variants to print one step's timeline of, e.g. 'seqpipe 1f1b'")
+    parser.add_argument("--no-what-if", dest="what_if", action="store_false",
+                        help="skip the +prepost / +recv-thread variants")
+    args = parser.parse_args(argv)
+    print(f"# {machine_line()} (at start)", file=sys.stderr, flush=True)
+    answers = dict(spawn(breakdown_rank, args))
+    print(f"Command: python {' '.join(sys.argv)}")
+    print(f"Machine: {machine_line()} (at end)")
+    print()
+    print("\n".join(report(answers, args)))
+
+
+if __name__ == "__main__":
+    main()
