@@ -15,15 +15,22 @@ self-time categories:
 
 and whatever is left of the step ("rest": schedule bookkeeping, Python, the barrier exit).
 
-Two *what-if* variants show what a change to seqpipe's transport would buy (again without
-editing seqpipe: the pipe's ``_transport`` object is replaced in the worker):
+Three *what-if* variants show what a change to seqpipe's transport would buy (again
+without editing seqpipe: the pipe's ``_transport`` object is replaced in the worker, and
+each gets its own process group, since it keeps receives posted between steps):
 
 * ``seqpipe <clock> +prepost``: one receive of the next header from each peer is always
   posted (re-posted as soon as a message is taken), so the header's rendezvous happens
   while the stage computes, not when it needs the message;
 * ``seqpipe <clock> +recv-thread``: one Python thread per peer receives messages (header,
   then payload) as soon as the peer sends them and queues them for the step; the step
-  only waits if the message has not arrived yet.
+  only waits if the message has not arrived yet;
+* ``seqpipe <clock> +recv-ahead``: the header *and* payload receives of the next message
+  from each peer are posted as soon as the previous one is taken, before the peer sends
+  it (the next message and its shapes are predicted for this benchmark; see
+  ``RecvAhead``), so the sender finds the receive posted and writes at once.
+
+``--timeline NAME ...`` prints one step's events per rank for the named variants.
 
 ``--latency`` also times single gloo receives on loopback (2 KiB header and one
 activation) when the send was posted well before the receive, with the sender idle or

@@ -104,7 +104,6 @@ class Variants:
                  width: int, only: Optional[Sequence[str]] = None) -> None:
         self.rank, self.chunks = rank, chunks
         half = len(model) // 2
-        self.mine = range(rank * half, (rank + 1) * half)
         gen = torch.Generator().manual_seed(1234 + chunks)
         self.x = torch.randn(chunks * micro, width, generator=gen)
         self.y = torch.randn(chunks * micro, width, generator=gen)
@@ -527,10 +526,15 @@ def seqpipe_version() -> str:
     return f"seqpipe at {commit}{'+dirty' if dirty else ''}"
 
 
+_VERSION_AT_START = seqpipe_version()  # the code the ranks import (at spawn)
+
+
 def machine_line() -> str:
+    now = seqpipe_version()
+    version = _VERSION_AT_START + ("" if now == _VERSION_AT_START else f" (now {now})")
     return (f"torch {torch.__version__}, python {platform.python_version()}, "
             f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
-            f"2 ranks × 1 intra-op thread, gloo on 127.0.0.1, {seqpipe_version()}, "
+            f"2 ranks × 1 intra-op thread, gloo on 127.0.0.1, {version}, "
             f"load average {load_average()}")
 
 
