@@ -19,7 +19,7 @@ from seqpipe.rng import draw_seeds
 from seqpipe.schedule import Action, FillDrain, Schedule, backward_phase, forward_phase
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Grads, Received, Stage, TaskState, wants_grad
+from seqpipe.stage import Grads, Received, Stage, TaskState, moved, wants_grad
 from seqpipe.stream import move
 from seqpipe.worker import Mailbox, Program, ThreadState, run_groups
 
@@ -78,9 +78,7 @@ class LocalPipeline:
         seeds = draw_seeds(m * k) if self.isolate_rng else None
         mailbox = Mailbox()
         for i, batch in enumerate(batches):
-            flags = tuple(wants_grad(t) for t in batch.tensors)
-            moved = tuple(move(t, self.devices[0]) for t in batch.tensors)
-            mailbox.put(("act", 0, i), (Batch(moved, batch.atomic), flags))  # type: ignore[arg-type]
+            mailbox.put(("act", 0, i), moved(batch, self.devices[0]))
 
         def program(s: int) -> Program:
             popped = [skip.key for skip in self.layout.skips_popped_by(s)]
@@ -119,9 +117,7 @@ class LocalPipeline:
     def _send_forward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int, outputs: Batch,
                       skips: Dict[SkipKey, Optional[Tensor]]) -> None:
         if s + 1 < len(self.stages):
-            flags = tuple(wants_grad(t) for t in outputs.tensors)
-            moved = tuple(move(t, self.devices[s + 1]) for t in outputs.tensors)
-            mailbox.put(("act", s + 1, i), (Batch(moved, outputs.atomic), flags))  # type: ignore[arg-type]
+            mailbox.put(("act", s + 1, i), moved(outputs, self.devices[s + 1]))
         else:
             run.outputs[i] = Batch(tuple(t.detach() for t in outputs.tensors), outputs.atomic)
         for key, tensor in skips.items():

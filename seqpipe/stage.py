@@ -23,8 +23,9 @@ from seqpipe.checkpoint import run_task
 from seqpipe.microbatch import Batch
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
+from seqpipe.stream import move
 
-__all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "wants_grad"]
+__all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "moved", "wants_grad"]
 
 Crossing = Callable[[SkipKey], bool]
 
@@ -33,6 +34,12 @@ def wants_grad(tensor: Optional[Tensor]) -> bool:
     """Whether a tensor crossing a stage boundary carries a gradient back."""
     return tensor is not None and tensor.requires_grad and (
         tensor.is_floating_point() or tensor.is_complex())
+
+
+def moved(batch: Batch, device: torch.device) -> Tuple[Batch, Tuple[bool, ...]]:
+    """``batch`` arriving on ``device``, and whether each of its tensors wants a gradient."""
+    tensors = tuple(move(t, device) for t in batch.tensors)
+    return Batch(tensors, batch.atomic), tuple(wants_grad(t) for t in batch.tensors)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -21,8 +21,7 @@ from seqpipe.microbatch import Batch
 from seqpipe.schedule import Action
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Received, Stage, TaskState, wants_grad
-from seqpipe.stream import move
+from seqpipe.stage import Received, Stage, TaskState, moved, wants_grad
 
 __all__ = ["Call", "LossFn", "describe"]
 
@@ -100,10 +99,7 @@ class Call:
         s = self.index
         if s == 0:
             assert inputs is not None
-            batch = inputs[i]
-            tensors = tuple(move(t, self.stage.device) for t in batch.tensors)
-            received_batch = Batch(tensors, batch.atomic)  # type: ignore[arg-type]
-            flags = tuple(wants_grad(t) for t in batch.tensors)
+            received_batch, flags = moved(inputs[i], self.stage.device)
         else:
             message = self.need(s - 1, Kind.ACTIVATION, i)
             received_batch = Batch(message.tensors, message.atomic)  # type: ignore[arg-type]
