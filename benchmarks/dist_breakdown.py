@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import queue
 import statistics
 import sys
 import threading
@@ -71,12 +69,11 @@ from dist_vs_torch_pipelining import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 import seqpipe.distributed.step as seq_step
-import seqpipe.distributed.transport as seq_transport
 import seqpipe.stage as seq_stage
 from seqpipe.distributed import DistributedPipe
-from seqpipe.distributed.transport import HEADER_SLOTS, Message, Transport
+from seqpipe.distributed.transport import HEADER_SLOTS, Transport
 
-WHAT_IF = ("+prepost", "+recv-thread", "+recv-ahead")
+WHAT_IF = "lazy"
 
 
 # -- a self-time profiler --------------------------------------------------------------
@@ -122,18 +119,15 @@ class Clock:
 CLOCK = Clock()
 
 
-def _recv_label(self: Transport, tensor: torch.Tensor, stage: int) -> str:
-    header = tensor.dtype == torch.int64 and tensor.numel() == HEADER_SLOTS
-    return "recv wait: header" if header else "recv wait: payload"
-
-
 def instrument() -> None:
     """Wrap the functions whose time we split out (this process only)."""
     patches: List[Tuple[Any, str, Any]] = [
         (seq_stage.Stage, "forward", "compute F"),
         (seq_stage.Stage, "backward", "compute B"),
         (seq_step.Call, "_loss", "loss"),
-        (Transport, "_recv", _recv_label),
+        (Transport, "recv", "recv wait"),
+        (Transport, "_post", "post recvs"),
+        (Transport, "_release", "release sends"),
         (Transport, "send", "post sends"),
         (Transport, "flush", "wait sends (flush)"),
         (_PipelineStageBase, "forward_one_chunk", "compute F"),
@@ -147,141 +141,26 @@ def instrument() -> None:
         setattr(owner, name, CLOCK.wrap(label, getattr(owner, name)))
 
 
-# -- what-if transports ----------------------------------------------------------------
-class Prepost(Transport):
-    """Keeps the next header receive from each peer posted at all times."""
-
-    def __init__(self, base: Transport) -> None:
-        super().__init__(base.group, base.device, base.timeout)
-        self._next: Dict[int, Tuple[Any, torch.Tensor]] = {}
-
-    def _post_header(self, stage: int) -> None:
-        buf = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        self._next[stage] = (dist.irecv(buf, src=self._global(stage), group=self.group), buf)
-
-    def recv(self, stage: int) -> Message:
-        if stage not in self._next:
-            self._post_header(stage)
-        work, buf = self._next.pop(stage)
-        CLOCK.wrap("recv wait: header", work.wait)()
-        kind, microbatch, key, count, atomic, specs = seq_transport._decode(buf.tolist())
-        bufs = [None if s is None else torch.empty(s[2], dtype=s[0], device=self.device)
-                for s in specs]
-        post = CLOCK.wrap("post recvs", dist.irecv)
-        works = [post(b, src=self._global(stage), group=self.group) for b in bufs if b is not None]
-        CLOCK.wrap("post recvs", self._post_header)(stage)  # after the payload: FIFO matching
-        for w in works:
-            CLOCK.wrap("recv wait: payload", w.wait)()
-        flags = tuple(bool(s and s[1]) for s in specs)
-        return Message(kind, microbatch, key, tuple(bufs), flags, count, atomic)
-
-
-class RecvThread(Transport):
-    """One thread per peer receives whole messages as soon as they come."""
-
-    def __init__(self, base: Transport, peers: Sequence[int]) -> None:
-        super().__init__(base.group, base.device, base.timeout)
-        self._inbox: Dict[int, "queue.SimpleQueue[Any]"] = {p: queue.SimpleQueue() for p in peers}
-        for peer in peers:
-            threading.Thread(target=self._loop, args=(peer,), daemon=True).start()
-
-    def _loop(self, stage: int) -> None:
-        while True:
-            try:
-                message: Any = Transport.recv(self, stage)
-            except BaseException as exc:  # noqa: BLE001 - handed to the step
-                self._inbox[stage].put(exc)
-                return
-            self._inbox[stage].put(message)
-
-    def recv(self, stage: int) -> Message:
-        item = CLOCK.wrap("recv wait: queue", self._inbox[stage].get)()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-
-class RecvAhead(Transport):
-    """Posts the receives of the next message from each peer before the peer sends it.
-
-    What torch.distributed.pipelining does once it knows the shapes: a receive that is
-    already posted when the send is issued lets the sender write the data straight away,
-    instead of queueing it until a "ready to receive" notice comes back. Here the next
-    message is predicted for this benchmark's 2-stage training step (stage 1 gets STEP,
-    M activations, DONE from stage 0; stage 0 gets M gradients and the LOSS from stage 1)
-    with every activation/gradient of one fixed shape; a wrong guess raises. In seqpipe the
-    same information is known exactly: every rank has the schedule, so it knows which
-    messages each peer sends it and in what order, and the shapes of a step can be cached
-    from the previous step (as torch caches them from its first step), with a header flag
-    for a change.
-    """
-
-    def __init__(self, base: Transport, rank: int, chunks: int,
-                 shape: Tuple[int, ...]) -> None:
-        super().__init__(base.group, base.device, base.timeout)
-        act = [(torch.float32, shape)]
-        # what this rank receives in one step, in order
-        self._plan = ([[]] + [act] * chunks + [[]] if rank == 1
-                      else [act] * chunks + [[(torch.float32, ())]])
-        self._n = 0
-        self._ahead: Dict[int, Tuple[Any, torch.Tensor, List[Any], List[torch.Tensor]]] = {}
-
-    def _post_next(self, stage: int) -> None:
-        specs = self._plan[self._n % len(self._plan)]
-        self._n += 1
-        src = self._global(stage)
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
-        work = dist.irecv(header, src=src, group=self.group)
-        bufs = [torch.empty(s, dtype=d) for d, s in specs]
-        works = [dist.irecv(b, src=src, group=self.group) for b in bufs]
-        self._ahead[stage] = (work, header, works, bufs)
-
-    def recv(self, stage: int) -> Message:
-        if stage not in self._ahead:
-            self._post_next(stage)
-        work, header, works, bufs = self._ahead.pop(stage)
-        CLOCK.wrap("recv wait: header", work.wait)()
-        kind, microbatch, key, count, atomic, specs = seq_transport._decode(header.tolist())
-        got = [(s[0], tuple(s[2])) for s in specs if s is not None]
-        if got != [(b.dtype, tuple(b.shape)) for b in bufs]:
-            raise RuntimeError(f"recv-ahead guessed {[tuple(b.shape) for b in bufs]}, got {got}")
-        for w in works:
-            CLOCK.wrap("recv wait: payload", w.wait)()
-        CLOCK.wrap("post recvs", self._post_next)(stage)
-        flags = tuple(bool(s and s[1]) for s in specs)
-        return Message(kind, microbatch, key, tuple(bufs), flags, count, atomic)
-
-
-def what_if_steps(variants: Variants, rank: int, model: torch.nn.Sequential,
-                  chunks: int) -> Dict[str, Callable[[], None]]:
+# -- the what-if variant ---------------------------------------------------------------
+def lazy_steps(variants: Variants, rank: int, model: torch.nn.Sequential,
+               chunks: int) -> Dict[str, Callable[[], None]]:
+    """seqpipe with receives posted only when a message is needed (as on NCCL)."""
     half = len(model) // 2
     steps = {}
     for clock in ("fill_drain", "1f1b"):
-        for tag in WHAT_IF:
-            # its own group: receives it keeps posted between steps must not match the
-            # messages of the other variants
-            group = dist.new_group([0, 1])
-            pipe = DistributedPipe(copy.deepcopy(model), chunks=chunks, balance=[half, half],
-                                   schedule=clock, checkpoint="never", device="cpu",
-                                   group=group)
-            base = pipe._transport
-            if tag == "+prepost":
-                pipe._transport = Prepost(base)
-            elif tag == "+recv-thread":
-                pipe._transport = RecvThread(base, [1 - rank])
-            else:
-                shape = tuple(variants.x.chunk(chunks)[0].shape)
-                pipe._transport = RecvAhead(base, rank, chunks, shape)
-            x = variants.x if rank == 0 else None
-            y = variants.y if rank == 1 else None
-            params = list(pipe.parameters())
+        pipe = DistributedPipe(copy.deepcopy(model), chunks=chunks, balance=[half, half],
+                               schedule=clock, checkpoint="never", device="cpu")
+        pipe._transport.ahead = False
+        x = variants.x if rank == 0 else None
+        y = variants.y if rank == 1 else None
+        params = list(pipe.parameters())
 
-            def step(pipe: DistributedPipe = pipe, params: List[Any] = params,
-                     x: Any = x, y: Any = y) -> None:
-                for p in params:
-                    p.grad = None
-                pipe.train_step(x, y, loss_fn)
-            steps[f"seqpipe {clock} {tag}"] = step
+        def step(pipe: DistributedPipe = pipe, params: List[Any] = params,
+                 x: Any = x, y: Any = y) -> None:
+            for p in params:
+                p.grad = None
+            pipe.train_step(x, y, loss_fn)
+        steps[f"seqpipe {clock} {WHAT_IF}"] = step
     return steps
 
 
@@ -298,7 +177,7 @@ def breakdown_rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> 
                         only=(*SEQ, *TORCH, ONE))
     steps = {name: variants.steps[name] for name in (*SEQ, *TORCH)}
     if args.what_if:
-        steps.update(what_if_steps(variants, rank, model, args.chunks))
+        steps.update(lazy_steps(variants, rank, model, args.chunks))
     names = list(steps)
     for _ in range(args.warmup):
         for name in names:
@@ -352,9 +231,6 @@ def breakdown_rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> 
     result["rounds"] = r
     out.put((rank, result))
     dist.barrier()
-    if args.what_if:  # the receiver threads sit in a receive: leave without teardown
-        sys.stdout.flush()
-        os._exit(0)
     dist.destroy_process_group()
 
 
@@ -456,7 +332,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--timeline", nargs="*", default=[],
                         help="variants to print one step's timeline of, e.g. 'seqpipe 1f1b'")
     parser.add_argument("--no-what-if", dest="what_if", action="store_false",
-                        help="skip the +prepost / +recv-thread variants")
+                        help="skip the 'lazy' variants (receives posted only when needed)")
     args = parser.parse_args(argv)
     print(f"# {machine_line()} (at start)", file=sys.stderr, flush=True)
     answers = dict(spawn(breakdown_rank, args))

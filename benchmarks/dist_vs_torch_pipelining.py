@@ -359,10 +359,10 @@ def _pending_peak(variants: Variants, name: str) -> int:
     peak = 0
     original = transport._isend
 
-    def isend(tensor: Tensor, stage: int) -> None:
+    def isend(tensor: Tensor, stage: int, taken_at: int) -> None:
         nonlocal peak
-        original(tensor, stage)
-        peak = max(peak, sum(entry[1].untyped_storage().nbytes() for entry in transport._pending))
+        original(tensor, stage, taken_at)
+        peak = max(peak, transport.pending_bytes())
     transport._isend = isend  # type: ignore[method-assign]
     try:
         dist.barrier()

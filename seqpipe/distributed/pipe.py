@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import zlib
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
+from seqpipe.distributed.plan import OPENING, Planned, messages
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
@@ -22,6 +24,15 @@ from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
 
 __all__ = ["DistributedPipe"]
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    """A stage's part of a call: its actions and the messages it receives and sends."""
+
+    actions: List[Action]
+    incoming: Dict[int, List[Planned]]
+    outgoing: Dict[int, List[Planned]]
 
 
 def _default_device() -> torch.device:
@@ -122,6 +133,7 @@ class DistributedPipe(nn.Module):
                                       self.device)
             self._reducer = GradientReducer(self._stage.parameters(), data_parallel_group)
         self._validated = {self.chunks}
+        self._plans: Dict[Tuple[int, bool], _CallPlan] = {}
 
     def _resolve_balance(self, module: nn.Sequential,
                          balance: Optional[Sequence[int]]) -> List[int]:
@@ -161,25 +173,46 @@ class DistributedPipe(nn.Module):
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def _actions(self, m: int) -> List[Action]:
-        if m not in self._validated:
-            validate_schedule(self.schedule, self.num_stages, m)
-            self._validated.add(m)
-        return list(self.schedule.actions(self.stage_index, self.num_stages, m))
+    def _plan(self, m: int, grad: bool) -> "_CallPlan":
+        """This stage's actions in a call of ``m`` micro-batches, and its messages."""
+        if (m, grad) not in self._plans:
+            if m not in self._validated:
+                validate_schedule(self.schedule, self.num_stages, m)
+                self._validated.add(m)
+            k, me = self.num_stages, self.stage_index
+            actions = [list(self.schedule.actions(s, k, m)) for s in range(k)]
+            if not grad:
+                actions = [forward_phase(a) for a in actions]
+            self._plans[(m, grad)] = _CallPlan(
+                actions[me],
+                {s: messages(s, me, actions, self._layout, grad) for s in range(k) if s != me},
+                {s: messages(me, s, actions, self._layout, grad) for s in range(k) if s != me})
+        return self._plans[(m, grad)]
 
-    def _open(self, call: Call, input: Optional[TensorOrTensors]) -> List[Batch]:
-        """Stage 0 cuts the batch and tells every stage how many micro-batches there are."""
+    def _open(self, call: Call,
+              input: Optional[TensorOrTensors]) -> Tuple[List[Batch], List[Action]]:
+        """Start a call: stage 0 cuts the batch and tells every stage how many micro-batches
+        there are; then every stage knows its actions and the messages it will exchange."""
+        transport = self._transport
         if self.is_first:
             if input is None:
                 raise ValueError("stage 0 needs the input batch; pass it on the first rank")
             batches = scatter(input, self.chunks)
             if not batches:
                 raise ValueError("the input batch is empty (size 0 on dim 0)")
+        else:
+            transport.expect(0, [OPENING])
+            count = call.need(0, Kind.STEP).count
+            batches = [Batch((), True)] * count  # placeholders: only their number matters
+        plan = self._plan(len(batches), call.grad)
+        for s, planned in plan.incoming.items():
+            transport.expect(s, planned[1:] if s == 0 else planned)  # STEP: taken above
+        for s, planned in plan.outgoing.items():
+            transport.will_send(s, planned)
+        if self.is_first:
             for s in range(1, self.num_stages):
                 call.send(s, Kind.STEP, -1, [], count=len(batches))
-            return batches
-        count = call.need(0, Kind.STEP).count
-        return [Batch((), True)] * count  # placeholders: only their number matters here
+        return batches, plan.actions
 
     def _close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
         """End the call on every stage together, so no rank returns while another fails.
@@ -214,6 +247,7 @@ class DistributedPipe(nn.Module):
         micro-batch losses weighted by micro-batch size, which for a mean-reduced
         ``loss_fn`` equals ``loss_fn`` on the whole batch.
         """
+        self._transport.begin()
         call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=True)
         with self._dropping_statistics_on_failure():
             return self._train_step(call, input, target, loss_fn)
@@ -231,12 +265,11 @@ class DistributedPipe(nn.Module):
         targets: Optional[List[Any]] = None
         weights: List[float] = []
         with call.guard("start of the step"):
-            batches = self._open(call, input)
+            batches, actions = self._open(call, input)
             mode = self.checkpoint if self.training else "never"
             call.checkpoint_stop = checkpoint_stop(mode, len(batches))
             if self.is_last:
                 targets, weights = self._split_target(target, len(batches))
-        actions = self._actions(len(batches))
         last_backward = max(n for n, a in enumerate(actions) if a.phase is Phase.BACKWARD)
         for n, action in enumerate(actions):
             with call.guard(describe(action)):
@@ -267,6 +300,7 @@ class DistributedPipe(nn.Module):
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
         """Inference: the output on the last stage, ``None`` on the others."""
+        self._transport.begin()
         call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=False)
         with self._dropping_statistics_on_failure():
             return self._forward(call, input)
@@ -274,8 +308,8 @@ class DistributedPipe(nn.Module):
     def _forward(self, call: Call,
                  input: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:
         with call.guard("start of the call"):
-            batches = self._open(call, input)
-        for action in forward_phase(self._actions(len(batches))):
+            batches, actions = self._open(call, input)
+        for action in actions:
             with call.guard(describe(action)):
                 call.forward(action.microbatch, batches, None, None, [])
         with call.guard("end of the call"):

@@ -111,13 +111,13 @@ class Call:
             flags += message.flags
         sent, state = self.stage.forward(Received(received_batch, skips, flags), grad=self.grad,
                                          checkpoint=self.grad and i < self.checkpoint_stop)
-        for key, tensor in sent.skips.items():
+        for key, tensor in sorted(sent.skips.items(), key=lambda kv: self.key_index(kv[0])):
             self.send(self.layout.pop_partition(*key), Kind.SKIP, i, [tensor],
-                                [wants_grad(tensor)], key=self.key_index(key))
+                      [wants_grad(tensor)], key=self.key_index(key))
         if not self.last:
             outs = sent.outputs.tensors
             self.send(s + 1, Kind.ACTIVATION, i, outs, [wants_grad(t) for t in outs],
-                                atomic=sent.outputs.atomic)
+                      atomic=sent.outputs.atomic)
         elif loss_fn is not None and targets is not None:
             assert state is not None
             state.roots = [get_gradient_edge(self._loss(i, sent.outputs, targets[i], loss_fn,

@@ -1,36 +1,65 @@
 """Point-to-point messages between pipeline stages over ``torch.distributed``.
 
-Only tensors travel. Every message is a fixed-size int64 header followed by its tensors;
-the header names the message kind, the micro-batch, the skip (by its index in the skip
-layout, the same on every rank), and each tensor's dtype, shape and whether it wants a
-gradient. So uneven micro-batches and batch sizes that change between steps need no
-agreement in advance, and a receiver can take messages from a peer in whatever order the
-peer sent them (NCCL delivers point-to-point messages between two ranks strictly in
-order). Sends are non-blocking: a stage never waits for its neighbour to receive, so
-schedules such as 1F1B cannot deadlock on sends. NCCL and gloo share this one code path.
+Only tensors travel. Every message is one byte buffer: a fixed-size int64 header, then its
+tensors' bytes. The header names the message kind, the micro-batch, the skip (by its index
+in the skip layout, the same on every rank), and each tensor's dtype, shape and whether it
+wants a gradient. So uneven micro-batches and batch sizes that change between steps need no
+agreement in advance. One buffer per message rather than one per tensor halves the
+rendezvous a hop costs (each point-to-point operation is a handshake with the peer), at
+the price of one copy of the payload on each side. Sends are non-blocking: a stage never
+waits for its neighbour to receive, so schedules such as 1F1B cannot deadlock on sends.
+NCCL and gloo share this one code path.
+
+**Receiving ahead.** Each call, both ends of every pair of stages are told the same plan
+(``seqpipe.distributed.plan``): the messages one sends the other, in order. A receiver
+posts the receives of a peer's next message, header *and* payload, sized as the same
+message was in the previous call, before the peer sends it, so the data is written straight
+into place; waiting for a header before posting the payload would put a second round trip
+on the critical path of every hop. The sender keeps the same record, so it knows what the
+receiver posted: when the shapes differ (first call, a new batch size, a ragged last
+micro-batch) it sends a buffer of the size the receiver posted, whose header says so, and
+the real payload after it: one extra round trip, only when shapes change. A failure notice
+is sized the same way, so it fills exactly what the peer posted. With NCCL, where a posted
+receive would hold up later sends to the same peer on the pair's stream, the receives are
+posted only when the message is needed (still header and payload together).
+
+**Letting go of sent tensors.** A sent tensor must stay alive until its send completes.
+The plan says when a message has certainly been taken (its receiver has since sent
+something it only sends after the action that needs it), so each send is waited for and
+released then, and a 1F1B stage holds O(stages) sent activations, not O(micro-batches).
 """
 from __future__ import annotations
 
 import enum
+import math
+import sys
 import time
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from seqpipe.distributed.plan import Planned
+
 __all__ = ["Kind", "Message", "Transport", "PeerError", "HEADER_SLOTS"]
 
 HEADER_SLOTS = 256
+_HEADER_BYTES = HEADER_SLOTS * 8
+_ALIGN = 16  # payload offsets: a multiple of every dtype's size, so views need no copy
 _MAGIC = 0x5E9419E
+_FIXED = 8  # magic, kind, micro-batch, key, count, atomic, reshaped, number of tensors
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128]
 
-
-_abandoned: List[Tuple[dist.Work, Tensor, int]] = []  # sends left behind by a failed call
+Spec = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]  # a payload: each tensor's dtype, shape
+_Sent = Tuple[int, dist.Work, Tensor]  # taken_at, work, the buffer it must keep alive
+_abandoned: List[object] = []  # receives and sends left behind by a failed call
 
 
 class Kind(enum.IntEnum):
@@ -63,9 +92,57 @@ class Message:
     atomic: bool = True  # a single tensor rather than a tuple (activations)
 
 
-def _encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool,
+@dataclass
+class _Posted:
+    """The receive posted for a peer's next message, sized for the payload expected."""
+
+    planned: Optional["Planned"]
+    spec: Spec
+    buffer: Tensor
+    work: dist.Work
+
+
+def _spec(tensors: Iterable[Optional[Tensor]]) -> Spec:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors if t is not None)
+
+
+def _sizes(spec: Spec) -> List[int]:
+    return [math.prod(shape) * dtype.itemsize for dtype, shape in spec]
+
+
+def _nbytes(spec: Spec) -> int:
+    return sum(-(-n // _ALIGN) * _ALIGN for n in _sizes(spec))
+
+
+def _pack(header: Optional[Tensor], tensors: Sequence[Tensor], size: int,
+          device: torch.device) -> Tensor:
+    """One byte buffer of ``size``: the header (if any), then each tensor, aligned."""
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    offset = 0
+    if header is not None:
+        buffer[:_HEADER_BYTES].copy_(header.view(torch.uint8))
+        offset = _HEADER_BYTES
+    if not tensors:
+        buffer[offset:].zero_()  # a placeholder: send zeros, not stale memory
+    for tensor in tensors:
+        data = tensor.detach().reshape(-1).view(torch.uint8)
+        buffer[offset:offset + data.numel()].copy_(data)
+        offset += -(-data.numel() // _ALIGN) * _ALIGN
+    return buffer
+
+
+def _unpack(buffer: Tensor, offset: int, spec: Spec) -> List[Tensor]:
+    """The tensors of ``spec`` laid out in ``buffer`` from ``offset`` (views, no copy)."""
+    tensors = []
+    for (dtype, shape), n in zip(spec, _sizes(spec)):
+        tensors.append(buffer[offset:offset + n].view(dtype).view(shape))
+        offset += -(-n // _ALIGN) * _ALIGN
+    return tensors
+
+
+def _encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, reshaped: bool,
             tensors: Sequence[Optional[Tensor]], flags: Sequence[bool]) -> Tensor:
-    words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), len(tensors)]
+    words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), int(reshaped), len(tensors)]
     for tensor, flag in zip(tensors, flags):
         if tensor is None:
             words += [0]
@@ -83,26 +160,26 @@ def _encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool,
 
 def _encode_text(kind: Kind, text: str) -> Tensor:
     """A header that carries a short UTF-8 text in its spare slots (one message, no tensors)."""
-    room = (HEADER_SLOTS - 8) * 8
+    room = (HEADER_SLOTS - _FIXED - 1) * 8
     data = text.encode("utf-8")[:room]
     data += b"\0" * (-len(data) % 8)
-    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, len(data)]
+    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, 0, len(data)]
     words += [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
     return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
 
 
 def _decode_text(header: List[int]) -> str:
-    data = b"".join(w.to_bytes(8, "little", signed=True) for w in header[8:HEADER_SLOTS])
-    return data[:header[7]].rstrip(b"\0").decode("utf-8", "replace")
+    data = b"".join(w.to_bytes(8, "little", signed=True) for w in header[_FIXED + 1:])
+    return data[:header[_FIXED]].rstrip(b"\0").decode("utf-8", "replace")
 
 
-def _decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, List[Optional[Tuple]]]:
+def _decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, bool, List[Optional[Tuple]]]:
     if header[0] != _MAGIC:
         raise RuntimeError("received a corrupt pipeline header: the stages disagree about "
                            "the message order (are all ranks running the same schedule?)")
-    kind, microbatch, key, count, atomic, n = header[1:7]
+    kind, microbatch, key, count, atomic, reshaped, n = header[1:_FIXED]
     specs: List[Optional[Tuple]] = []
-    pos = 7
+    pos = _FIXED
     for _ in range(n):
         if header[pos] == 0:
             specs.append(None)
@@ -111,60 +188,194 @@ def _decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, List[Optional
         dtype, flag, ndim = _DTYPES[header[pos + 1]], bool(header[pos + 2]), header[pos + 3]
         specs.append((dtype, flag, tuple(header[pos + 4:pos + 4 + ndim])))
         pos += 4 + ndim
-    return Kind(kind), microbatch, key, count, bool(atomic), specs
+    return Kind(kind), microbatch, key, count, bool(atomic), bool(reshaped), specs
 
 
 class Transport:
-    """Sends and receives stage messages on ``group`` (stage index = rank in the group)."""
+    """Sends and receives stage messages on ``group`` (stage index = rank in the group).
+
+    ``ahead``: post each peer's next receives as soon as the previous message is taken
+    (default: on every backend but NCCL).
+    """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device,
-                 timeout: Optional[timedelta] = None) -> None:
+                 timeout: Optional[timedelta] = None, *, ahead: Optional[bool] = None) -> None:
         self.group = group
         self.device = device
         self.timeout = timeout
-        self._pending: List[Tuple[dist.Work, Tensor, int]] = []
+        self.ahead = dist.get_backend(group) != "nccl" if ahead is None else ahead
+        self.failure: Optional[str] = None
+        self._incoming: Dict[int, Deque[Planned]] = defaultdict(deque)
+        self._outgoing: Dict[int, Deque[Planned]] = defaultdict(deque)
+        self._posted: Dict[int, _Posted] = {}
+        self._seen_in: Dict[Tuple[int, Kind, int, int], Spec] = {}
+        self._seen_out: Dict[Tuple[int, Kind, int, int], Spec] = {}
+        self._pending: Dict[int, List[_Sent]] = defaultdict(list)
 
+    # -- a call's plan -----------------------------------------------------------------
+    def begin(self) -> None:
+        """Start a call; refused after a failed one, whose messages may still be in flight."""
+        if self.failure is not None:
+            first = self.failure.splitlines()[0] if self.failure else "a stage failed"
+            raise RuntimeError(
+                f"this pipeline failed in an earlier call ({first}); messages of that call "
+                f"may still be in flight, so it cannot run another. Create a new process "
+                f"group (torch.distributed.new_group) and a new DistributedPipe on it")
+
+    def expect(self, src: int, planned: Iterable["Planned"]) -> None:
+        """The next messages stage ``src`` will send this one, in order."""
+        self._incoming[src].extend(planned)
+        if self.ahead and src not in self._posted and self._incoming[src]:
+            self._post(src)
+
+    def will_send(self, dst: int, planned: Iterable["Planned"]) -> None:
+        """The next messages this stage will send stage ``dst``, in order."""
+        self._outgoing[dst].extend(planned)
+
+    # -- the wire ----------------------------------------------------------------------
     def _global(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage) if self.group is not None else stage
 
-    def _isend(self, tensor: Tensor, stage: int) -> None:
-        tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=self._global(stage), group=self.group)
+    def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
+        work = dist.isend(buffer, dst=self._global(stage), group=self.group)
         assert work is not None
-        self._pending.append((work, tensor, stage))
+        self._pending[stage].append((taken_at, work, buffer))
 
-    def _recv(self, tensor: Tensor, stage: int) -> Tensor:
-        work = dist.irecv(tensor, src=self._global(stage), group=self.group)
+    def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
+        work = dist.irecv(buffer, src=self._global(stage), group=self.group)
         assert work is not None
+        return work
+
+    def _wait(self, work: dist.Work) -> None:
         if self.timeout is None:
             work.wait()
         else:
             work.wait(self.timeout)
-        return tensor
 
+    def _post(self, src: int) -> None:
+        """Post the receive of the next message from ``src``, sized for what is expected."""
+        queue = self._incoming[src]
+        planned = queue.popleft() if queue else None
+        spec = self._seen_in.get((src, *planned.identity), ()) if planned else ()
+        buffer = torch.empty(_HEADER_BYTES + _nbytes(spec), dtype=torch.uint8,
+                             device=self.device)
+        self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
+
+    def _expected_by(self, dst: int, planned: Optional["Planned"]) -> Spec:
+        """The payload ``dst`` has posted (or will post) a receive for, for this message."""
+        return self._seen_out.get((dst, *planned.identity), ()) if planned else ()
+
+    # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, *, key: int = -1, count: int = 0,
              atomic: bool = True) -> None:
         """Queue a message to ``stage``; returns at once."""
         flags = flags if flags is not None else [False] * len(tensors)
-        header = _encode(kind, microbatch, key, count, atomic, tensors, flags).to(self.device)
-        self._isend(header, stage)
-        for tensor in tensors:
-            if tensor is not None:
-                self._isend(tensor.detach(), stage)
+        planned = self._next_out(stage, (kind, microbatch, key))
+        expected = self._expected_by(stage, planned)
+        payload = [t for t in tensors if t is not None]
+        actual = _spec(payload)
+        reshaped = actual != expected
+        taken_at = planned.taken_at if planned else sys.maxsize
+        header = _encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags)
+        header = header.to(self.device)
+        if not reshaped:
+            self._isend(_pack(header, payload, _HEADER_BYTES + _nbytes(actual), self.device),
+                        stage, taken_at)
+        else:  # fill the receive the peer posted; the real payload follows on its own
+            self._isend(_pack(header, [], _HEADER_BYTES + _nbytes(expected), self.device),
+                        stage, taken_at)
+            if payload:
+                self._isend(_pack(None, payload, _nbytes(actual), self.device), stage, taken_at)
+        if planned is not None:
+            self._seen_out[(stage, *planned.identity)] = actual
 
+    def _next_out(self, dst: int, identity: Tuple[Kind, int, int]) -> Optional["Planned"]:
+        queue = self._outgoing[dst]
+        if not queue:
+            return None
+        if queue[0].identity != identity:
+            raise RuntimeError(f"internal error: sending {identity} to stage {dst}, but the "
+                               f"plan says {queue[0].identity} comes next")
+        return queue.popleft()
+
+    # -- receiving ---------------------------------------------------------------------
     def recv(self, stage: int) -> Message:
         """The next message from ``stage``; raises ``PeerError`` if it reports a failure."""
-        header = self._recv(torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device),
-                            stage).tolist()
-        kind, microbatch, key, count, atomic, specs = _decode(header)
+        if stage not in self._posted:
+            self._post(stage)
+        posted = self._posted.pop(stage)
+        self._wait(posted.work)
+        header = posted.buffer[:_HEADER_BYTES].view(torch.int64).tolist()
+        kind, microbatch, key, count, atomic, reshaped, specs = _decode(header)
         if kind is Kind.ABORT:
             raise PeerError(_decode_text(header))
-        tensors = tuple(None if spec is None else self._recv(
-            torch.empty(spec[2], dtype=spec[0], device=self.device), stage) for spec in specs)
-        flags = tuple(bool(spec and spec[1]) for spec in specs)
+        planned = posted.planned
+        if planned is not None and planned.identity != (kind, microbatch, key):
+            raise RuntimeError(f"internal error: stage {stage} sent {(kind, microbatch, key)} "
+                               f"where the plan says {planned.identity}")
+        spec: Spec = tuple((s[0], s[2]) for s in specs if s is not None)
+        if not reshaped:
+            if spec != posted.spec:
+                raise RuntimeError(f"internal error: stage {stage} sent a payload of another "
+                                   f"shape than this stage posted, without saying so")
+            payload = _unpack(posted.buffer, _HEADER_BYTES, spec)
+        else:
+            buffer = torch.empty(_nbytes(spec), dtype=torch.uint8, device=self.device)
+            if spec:
+                self._wait(self._irecv(buffer, stage))
+            payload = _unpack(buffer, 0, spec)
+        if planned is not None:
+            self._seen_in[(stage, *planned.identity)] = spec
+            self._release(stage, planned.sent_at)
+        if self.ahead and self._incoming[stage]:
+            self._post(stage)
+        tensors = tuple(None if s is None else payload.pop(0) for s in specs)
+        flags = tuple(bool(s and s[1]) for s in specs)
         return Message(kind, microbatch, key, tensors, flags, count, atomic)
 
+    # -- releasing sends ---------------------------------------------------------------
+    def _release(self, dst: int, before: int) -> None:
+        """Drop sends to ``dst`` that it has taken: needed before its action ``before``."""
+        pending = self._pending[dst]
+        if not any(taken_at < before for taken_at, _, _ in pending):
+            return
+        keep: List[_Sent] = []
+        for entry in pending:
+            if entry[0] < before:
+                self._complete(entry[1], dst)
+            else:
+                keep.append(entry)
+        self._pending[dst] = keep
+
+    def _complete(self, work: dist.Work, stage: int) -> None:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise PeerError(f"lost stage {stage} while sending to it: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+    def pending_bytes(self) -> int:
+        """Bytes of sent tensors still held until their sends are known to be complete."""
+        return sum(t.untyped_storage().nbytes() for sent in self._pending.values()
+                   for _, _, t in sent)
+
+    def flush(self) -> None:
+        """Wait until every queued send has gone out; ``PeerError`` names a lost receiver.
+
+        Ends the call: every planned message must have been sent and taken by then.
+        """
+        pending, self._pending = self._pending, defaultdict(list)
+        for stage, sent in pending.items():
+            for _, work, _ in sent:
+                self._complete(work, stage)
+        left = {s: [p.identity for p in q] for s, q in (*self._incoming.items(),
+                                                         *self._outgoing.items()) if q}
+        if left or self._posted:
+            raise RuntimeError(f"internal error: the call ended with planned messages left "
+                               f"over: {left}, receives posted from {sorted(self._posted)}")
+
+    # -- failure -----------------------------------------------------------------------
     def abort(self, stages: Sequence[int], text: str,
               patience: timedelta = timedelta(seconds=2)) -> None:
         """Tell ``stages`` that this one failed, so they raise instead of waiting.
@@ -172,27 +383,27 @@ class Transport:
         The news is one message (the text rides in the header), so a peer already waiting
         on this stage gets all of it even if this process exits right after. It waits up to
         ``patience`` for the sends to go out, polling rather than waiting with a timeout
-        (gloo closes a connection whose wait times out), and keeps unfinished sends alive
-        (dropping one can cancel it); a dead peer cannot be told, and is skipped.
+        (gloo closes a connection whose wait times out), and keeps unfinished sends and
+        posted receives alive (dropping one can cancel it); a dead peer cannot be told, and
+        is skipped. The transport refuses further calls: their messages would meet this
+        call's.
         """
+        self.failure = text
         header = _encode_text(Kind.ABORT, text).to(self.device)
         for stage in stages:
+            queue = self._outgoing[stage]
+            size = _HEADER_BYTES + _nbytes(self._expected_by(stage, queue[0] if queue else None))
             try:
-                self._isend(header, stage)
+                self._isend(_pack(header, [], size, self.device), stage, sys.maxsize)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
                 pass
-        pending, self._pending = self._pending, []
+        pending = [entry for sent in self._pending.values() for entry in sent]
+        self._pending = defaultdict(list)
         deadline = time.monotonic() + patience.total_seconds()
-        while time.monotonic() < deadline and not all(w.is_completed() for w, _, _ in pending):
+        while time.monotonic() < deadline and not all(w.is_completed() for _, w, _ in pending):
             time.sleep(0.005)
         _abandoned.extend(pending)
-
-    def flush(self) -> None:
-        """Wait until every queued send has gone out; ``PeerError`` names a lost receiver."""
-        pending, self._pending = self._pending, []
-        for work, _, stage in pending:
-            try:
-                work.wait()
-            except Exception as exc:
-                raise PeerError(f"lost stage {stage} while sending to it: "
-                                f"{type(exc).__name__}: {exc}") from exc
+        _abandoned.extend(self._posted.values())
+        self._posted.clear()
+        self._incoming.clear()
+        self._outgoing.clear()
