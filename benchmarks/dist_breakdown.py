@@ -6,29 +6,19 @@ of both libraries (monkeypatching, in the worker only) to split each rank's step
 self-time categories:
 
 * seqpipe: ``Stage.forward`` (compute F), ``Stage.backward`` (compute B, which accumulates
-  into ``.grad``), the loss, ``Transport._recv`` waits split into
-  *header* (the 256 × int64 message header) and *payload* receives, ``Transport.send``
-  (posting the isends), ``Transport.flush``;
+  into ``.grad``), the loss, ``Transport.recv`` (waiting for a message, with posting the
+  next receive, ``Transport._post``, split out), ``Transport.send`` (packing and posting a
+  message), ``Transport._release`` (waiting for sends the receiver has taken),
+  ``Transport.flush``;
 * torch: ``forward_one_chunk``, ``backward_one_chunk``, the loss, ``_wait_batch_p2p``
   (waiting on sends and receives), ``_batch_p2p`` (posting them), ``perform_reduce_grad``
   (the ``1/M`` gradient scaling);
 
 and whatever is left of the step ("rest": schedule bookkeeping, Python, the barrier exit).
 
-Three *what-if* variants show what a change to seqpipe's transport would buy (again
-without editing seqpipe: the pipe's ``_transport`` object is replaced in the worker, and
-each gets its own process group, since it keeps receives posted between steps):
-
-* ``seqpipe <clock> +prepost``: one receive of the next header from each peer is always
-  posted (re-posted as soon as a message is taken), so the header's rendezvous happens
-  while the stage computes, not when it needs the message;
-* ``seqpipe <clock> +recv-thread``: one Python thread per peer receives messages (header,
-  then payload) as soon as the peer sends them and queues them for the step; the step
-  only waits if the message has not arrived yet;
-* ``seqpipe <clock> +recv-ahead``: the header *and* payload receives of the next message
-  from each peer are posted as soon as the previous one is taken, before the peer sends
-  it (the next message and its shapes are predicted for this benchmark; see
-  ``RecvAhead``), so the sender finds the receive posted and writes at once.
+A *what-if* variant, ``seqpipe <clock> lazy``, posts each receive only when the message is
+needed instead of as soon as the previous one from that peer was taken
+(``Transport.ahead = False``): what receiving ahead buys.
 
 ``--timeline NAME ...`` prints one step's events per rank for the named variants.
 

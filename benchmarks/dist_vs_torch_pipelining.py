@@ -53,8 +53,8 @@ Memory (``--memory-chunks``, default 8): one step per pipelined variant, on each
 * under ``torch.profiler`` with ``profile_memory=True``: the peak of the net bytes the CPU
   allocator handed out during the step, i.e. everything the step keeps alive at its worst
   (activations, buffers held by pending sends, received tensors, gradients);
-* for seqpipe, the peak bytes of sent tensors its ``Transport`` still references (it keeps
-  every isend's tensor until ``flush()`` at the end of the step).
+* for seqpipe, the peak bytes of sent buffers its ``Transport`` still holds (a sent buffer
+  is kept until the receiver has certainly taken it; ``Transport.pending_bytes``).
 
 Run: ``PYTHONPATH=. python benchmarks/dist_vs_torch_pipelining.py`` (``--help`` for sizes).
 """

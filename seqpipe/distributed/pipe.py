@@ -35,6 +35,28 @@ class _CallPlan:
     outgoing: Dict[int, List[Planned]]
 
 
+def _reverse_group(group: Optional[dist.ProcessGroup],
+                   device: torch.device) -> dist.ProcessGroup:
+    """A second group of the same ranks, for messages to lower stages (see ``Transport``).
+
+    Only its members take part in creating it, so pipelines of a mesh can each make their
+    own at once; it inherits ``group``'s timeout (a new group would otherwise get the
+    backend's default, 30 minutes on gloo), which bounds how long a receive waits for a
+    silent peer.
+    """
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    timeout = None
+    try:
+        parent = group if group is not None else dist.group.WORLD
+        timeout = parent._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        pass
+    new = dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group),
+                         use_local_synchronization=True)
+    assert new is not None
+    return new
+
+
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -125,7 +147,8 @@ class DistributedPipe(nn.Module):
         object.__setattr__(self, "partition", partition)  # a view: its layers are registered
         self._stage = Stage(self.stage_index, partition, self.device, layout)
         self._layout = layout
-        self._transport = Transport(group, self.device)
+        self._transport = Transport(group, self.device,
+                                    reverse=_reverse_group(group, self.device))
         self.data_parallel_group = data_parallel_group
         self._reducer: Optional[GradientReducer] = None
         if data_parallel_group is not None:

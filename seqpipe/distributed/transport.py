@@ -19,9 +19,16 @@ on the critical path of every hop. The sender keeps the same record, so it knows
 receiver posted: when the shapes differ (first call, a new batch size, a ragged last
 micro-batch) it sends a buffer of the size the receiver posted, whose header says so, and
 the real payload after it: one extra round trip, only when shapes change. A failure notice
-is sized the same way, so it fills exactly what the peer posted. With NCCL, where a posted
-receive would hold up later sends to the same peer on the pair's stream, the receives are
-posted only when the message is needed (still header and payload together).
+is sized the same way, so it fills exactly what the peer posted.
+
+**One process group per direction.** Messages to a higher stage travel on ``group``,
+messages to a lower stage on ``reverse`` (same ranks). With NCCL, point-to-point operations
+between two ranks of one group share a stream and run in the order they were issued, so a
+receive posted ahead would hold up this rank's later sends to that peer, and under 1F1B a
+send and a receive issued in opposite orders on two ranks can deadlock once messages
+outgrow NCCL's buffers. With a group per direction each stream carries one direction, in
+the same order on both ends. Gloo runs the same code (its pairs then get a socket per
+direction).
 
 **Letting go of sent tensors.** A sent tensor must stay alive until its send completes.
 The plan says when a message has certainly been taken (its receiver has since sent
@@ -194,16 +201,20 @@ def _decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, bool, List[Op
 class Transport:
     """Sends and receives stage messages on ``group`` (stage index = rank in the group).
 
-    ``ahead``: post each peer's next receives as soon as the previous message is taken
-    (default: on every backend but NCCL).
+    ``reverse``: the group carrying messages to lower stages (default: ``group``, which
+    is only safe on gloo). ``ahead``: post each peer's next receive as soon as the
+    previous message is taken (else when the message is needed).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device,
-                 timeout: Optional[timedelta] = None, *, ahead: Optional[bool] = None) -> None:
+                 timeout: Optional[timedelta] = None, *,
+                 reverse: Optional[dist.ProcessGroup] = None, ahead: bool = True) -> None:
         self.group = group
+        self.reverse = reverse if reverse is not None else group
         self.device = device
         self.timeout = timeout
-        self.ahead = dist.get_backend(group) != "nccl" if ahead is None else ahead
+        self.ahead = ahead
+        self.index = dist.get_rank(group)
         self.failure: Optional[str] = None
         self._incoming: Dict[int, Deque[Planned]] = defaultdict(deque)
         self._outgoing: Dict[int, Deque[Planned]] = defaultdict(deque)
@@ -237,12 +248,14 @@ class Transport:
         return dist.get_global_rank(self.group, stage) if self.group is not None else stage
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
-        work = dist.isend(buffer, dst=self._global(stage), group=self.group)
+        group = self.group if stage > self.index else self.reverse
+        work = dist.isend(buffer, dst=self._global(stage), group=group)
         assert work is not None
         self._pending[stage].append((taken_at, work, buffer))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
-        work = dist.irecv(buffer, src=self._global(stage), group=self.group)
+        group = self.group if stage < self.index else self.reverse
+        work = dist.irecv(buffer, src=self._global(stage), group=group)
         assert work is not None
         return work
 

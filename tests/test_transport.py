@@ -1,0 +1,361 @@
+"""``Transport`` on real ``DistributedPipe`` runs: the receive-ahead fast path, the
+post-when-needed mode, how long sent buffers are held, and refusal after a failure.
+
+Each worker instruments ``Transport`` on its own process (``send``, ``_isend``, ``recv``) and
+checks results against an unpipelined float64 reference built from the same seed. As in
+``test_distributed.py``, mismatches are collected and raised together on every rank at the
+end of the worker, so a rank that finds one never leaves the others waiting in a collective.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distributed_harness import run_workers
+from seqpipe.distributed import DistributedPipe, PeerError
+from seqpipe.distributed.transport import HEADER_SLOTS, Kind, Transport
+
+TOL = dict(atol=1e-9, rtol=1e-7)
+DTYPE = torch.float64
+HEADER_BYTES = HEADER_SLOTS * 8
+
+
+class Failures:
+    """Mismatches found on this rank; raised on every rank at the end of the worker."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.items: List[str] = []
+
+    def expect(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.items.append(f"rank {self.rank}: {what}")
+
+    def close(self, actual: Optional[Tensor], expected: Optional[Tensor], what: str) -> None:
+        if actual is None or expected is None:
+            self.expect(actual is None and expected is None, f"{what}: one is None")
+            return
+        try:
+            torch.testing.assert_close(actual, expected, **TOL)
+        except AssertionError as exc:
+            self.items.append(f"rank {self.rank}: {what}: {str(exc).splitlines()[0]}")
+
+    def grads(self, pipe: nn.Module, ref: nn.Module, what: str) -> None:
+        theirs = dict(ref.named_parameters())
+        mine = dict(pipe.named_parameters())
+        self.expect(bool(mine), f"{what}: no parameters on this stage")
+        for name, param in mine.items():
+            self.close(param.grad, theirs[name].grad, f"{what}: grad of {name}")
+
+    def finish(self) -> None:
+        everyone: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.items)
+        found = [item for items in everyone for item in items]
+        if found:
+            raise AssertionError(f"{len(found)} mismatch(es):\n" + "\n".join(found))
+
+
+class Recorder:
+    """Patches ``Transport`` in this process: every message sent, with the buffers it took;
+    ``pending_bytes()`` after every buffer; and whether each receive was already posted."""
+
+    def __init__(self) -> None:
+        # (destination stage, kind, micro-batch, has a payload, buffers sent)
+        self.messages: List[Tuple[int, Kind, int, bool, int]] = []
+        self.buffers = 0  # every _isend, in a message or not
+        self.irecvs = 0
+        self.peak_pending = 0
+        self.posted_at_recv: List[bool] = []  # per recv(): was its receive posted already?
+        self.originals: Dict[str, Any] = {}
+
+    def __enter__(self) -> "Recorder":
+        rec = self
+        send, isend, irecv, recv = (Transport.send, Transport._isend, Transport._irecv,
+                                    Transport.recv)
+        self.originals = dict(send=send, _isend=isend, _irecv=irecv, recv=recv)
+
+        def _send(self: Transport, stage: int, kind: Kind, microbatch: int, tensors: Any,
+                  *args: Any, **kwargs: Any) -> None:
+            before = rec.buffers
+            send(self, stage, kind, microbatch, tensors, *args, **kwargs)
+            payload = any(t is not None for t in tensors)
+            rec.messages.append((stage, kind, microbatch, payload, rec.buffers - before))
+
+        def _isend(self: Transport, buffer: Tensor, stage: int, taken_at: int) -> None:
+            isend(self, buffer, stage, taken_at)
+            rec.buffers += 1
+            rec.peak_pending = max(rec.peak_pending, self.pending_bytes())
+
+        def _irecv(self: Transport, buffer: Tensor, stage: int) -> Any:
+            rec.irecvs += 1
+            return irecv(self, buffer, stage)
+
+        def _recv(self: Transport, stage: int) -> Any:
+            rec.posted_at_recv.append(stage in self._posted)
+            return recv(self, stage)
+
+        Transport.send = _send  # type: ignore[method-assign]
+        Transport._isend = _isend  # type: ignore[method-assign]
+        Transport._irecv = _irecv  # type: ignore[method-assign]
+        Transport.recv = _recv  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self.originals.items():
+            setattr(Transport, name, original)
+
+    def reset(self) -> None:
+        self.messages, self.buffers, self.irecvs = [], 0, 0
+        self.peak_pending, self.posted_at_recv = 0, []
+
+
+def data(seed: int, batch: int, features: int = 8, out: int = 4) -> Tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, features, generator=gen, dtype=DTYPE),
+            torch.randn(batch, out, generator=gen, dtype=DTYPE))
+
+
+def small() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4)).to(DTYPE)
+
+
+def built(seed: int, **kwargs: Any) -> Tuple[DistributedPipe, nn.Sequential]:
+    """A pipe of ``small()`` and its unpipelined reference, both from ``seed``."""
+    torch.manual_seed(seed)
+    ref = small()
+    torch.manual_seed(seed)
+    return DistributedPipe(small(), **kwargs), ref
+
+
+def matched_step(pipe: DistributedPipe, ref: nn.Sequential, rank: int, world: int, x: Tensor,
+                 y: Tensor, failures: Failures, what: str) -> None:
+    """One ``train_step`` from zero gradients; loss and gradients equal the reference's."""
+    pipe.zero_grad()
+    ref.zero_grad()
+    loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+                           F.mse_loss)
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    failures.close(loss, ref_loss.detach(), f"{what}: loss")
+    failures.grads(pipe, ref, what)
+
+
+# --------------------------------------------------------------------------- fast path
+
+
+def _fast_path(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    pipe, ref = built(1, chunks=4, balance=[2, 3], schedule="1f1b")
+    even, ragged = data(2, 8), data(3, 10)  # micro-batches 2, 2, 2, 2 and 3, 3, 2, 2
+    # A message carries its tensors in one buffer when the receiver posted a receive of the
+    # right size, i.e. its shape matches the same message's in the previous call. Otherwise
+    # (step 1: nothing seen yet; step 3: micro-batches 0 and 1 grew from 2 to 3 samples) it
+    # fills the posted receive with a header that says so and sends the payload after it.
+    steps = [("step 1 (first)", even, {0, 1, 2, 3}, True),
+             ("step 2 (same as 1)", even, set(), False),
+             ("step 3 (batch 10)", ragged, {0, 1}, False),
+             ("step 4 (same as 3)", ragged, set(), False)]
+    with Recorder() as rec:
+        for what, (x, y), resized, first in steps:
+            rec.reset()
+            matched_step(pipe, ref, rank, world, x, y, failures, what)
+            sent = [(kind, mb) for _, kind, mb, _, _ in rec.messages]
+            if rank == 0:
+                expected = [(Kind.STEP, -1), *((Kind.ACTIVATION, i) for i in range(4)),
+                            (Kind.DONE, -1)]
+            else:  # 1F1B on the last stage: B0 .. B3 in order
+                expected = [*((Kind.GRAD, i) for i in range(4)), (Kind.LOSS, -1)]
+            failures.expect(sent == expected, f"{what}: sent {sent}, expected {expected}")
+            for stage, kind, mb, payload, buffers in rec.messages:
+                # STEP and DONE carry no tensors; the loss is a scalar: new only in step 1.
+                two = payload and (first or (kind in (Kind.ACTIVATION, Kind.GRAD)
+                                             and mb in resized))
+                failures.expect(stage == 1 - rank, f"{what}: {kind.name} sent to {stage}")
+                failures.expect(buffers == (2 if two else 1),
+                                f"{what}: {kind.name} {mb} took {buffers} buffer(s)")
+            failures.expect(rec.buffers == sum(m[4] for m in rec.messages),
+                            f"{what}: {rec.buffers} buffers for {rec.messages}")
+            # Receiving ahead: each message's receive was posted before it was asked for.
+            failures.expect(bool(rec.posted_at_recv) and all(rec.posted_at_recv),
+                            f"{what}: receives posted ahead: {rec.posted_at_recv}")
+            failures.expect(pipe._transport.pending_bytes() == 0,
+                            f"{what}: {pipe._transport.pending_bytes()} bytes held after it")
+        # A forward-only call of the last shape: the same activations, one buffer each, and
+        # DONE from the last stage.
+        rec.reset()
+        x, _ = ragged
+        with torch.no_grad():
+            expected_out = ref(x)
+        out = pipe(x if rank == 0 else None)
+        if rank == 1:
+            failures.close(out, expected_out, "forward after the steps: output")
+        sent = [(kind, mb, buffers) for _, kind, mb, _, buffers in rec.messages]
+        expected_sent = ([(Kind.STEP, -1, 1), *((Kind.ACTIVATION, i, 1) for i in range(4))]
+                         if rank == 0 else [(Kind.DONE, -1, 1)])
+        failures.expect(sent == expected_sent, f"forward: sent {sent}")
+    failures.finish()
+
+
+def test_one_buffer_per_message_once_shapes_are_known() -> None:
+    """Two buffers per message with a payload while shapes are new, one afterwards; ragged
+    micro-batches resize only the messages whose shapes changed; gradients always match."""
+    run_workers(_fast_path, 2, timeout=120, pg_timeout=60)
+
+
+# --------------------------------------------------------------------------- ahead off, memory
+
+
+def wide() -> nn.Sequential:
+    """Activations of 1024 float32 per sample between the stages."""
+    return nn.Sequential(nn.Linear(32, 1024), nn.Tanh(), nn.Linear(1024, 4))
+
+
+def _modes_and_memory(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    # b. Receives posted only when a message is needed (``ahead=False``): the same results.
+    with Recorder() as rec:
+        for clock in ("fill_drain", "1f1b"):
+            pipe, ref = built(4, chunks=4, balance=[3, 2], schedule=clock)
+            pipe._transport.ahead = False
+            for n, batch in enumerate((8, 10, 10)):
+                rec.reset()
+                x, y = data(10 + n, batch)
+                what = f"ahead=False {clock} step {n} (batch {batch})"
+                matched_step(pipe, ref, rank, world, x, y, failures, what)
+                failures.expect(bool(rec.posted_at_recv) and not any(rec.posted_at_recv),
+                                f"{what}: a receive was posted ahead: {rec.posted_at_recv}")
+            x, _ = data(13, 7)
+            with torch.no_grad():
+                expected = ref(x)
+            out = pipe(x if rank == 0 else None)
+            if rank == 1:
+                failures.close(out, expected, f"ahead=False {clock}: forward output")
+
+    # c. How many bytes of sent messages stage 0 holds at once (sampled after every send),
+    # with 8 micro-batches of 4 samples: one activation message is the header plus
+    # 4 x 1024 float32.
+    #
+    # A sent activation ACT(i) is released when stage 0 receives GRAD(i): stage 1 sends it
+    # in B(i), after F(i) took ACT(i). Under 1F1B stage 0 runs F0 F1 B0 F2 B1 F3 ...: one
+    # warm-up forward (K - 1 with K = 2 stages), so it sends ACT(i + 1) before GRAD(i) comes
+    # back and holds at most 2 activations (plus, until GRAD0, the header-only STEP): under
+    # 3 messages. Fill-drain sends all 8 activations before its first backward and holds
+    # them all (plus the STEP) until the first gradient arrives.
+    message = HEADER_BYTES + 4 * 1024 * 4
+    peaks: Dict[str, int] = {}
+    gen = torch.Generator().manual_seed(20)
+    x, y = torch.randn(32, 32, generator=gen), torch.randn(32, 4, generator=gen)
+    with Recorder() as rec:
+        for clock in ("1f1b", "fill_drain"):
+            torch.manual_seed(5)
+            pipe = DistributedPipe(wide(), chunks=8, balance=[2, 1], schedule=clock,
+                                   checkpoint="never")
+            peak = 0
+            for _ in range(2):  # the first step also splits each message in two buffers
+                rec.reset()
+                loss = pipe.train_step(x if rank == 0 else None, y if rank == 1 else None,
+                                       F.mse_loss)
+                failures.expect(bool(torch.isfinite(loss)), f"{clock}: loss {loss}")
+                failures.expect(pipe._transport.pending_bytes() == 0,
+                                f"{clock}: bytes still held after the step")
+                peak = max(peak, rec.peak_pending)
+            peaks[clock] = peak
+    if rank == 0:
+        what = f"stage 0 peak held bytes {peaks}, one message {message}"
+        failures.expect(peaks["1f1b"] <= 3 * message, what)
+        failures.expect(peaks["fill_drain"] >= 8 * message, what)
+        failures.expect(peaks["1f1b"] < peaks["fill_drain"], what)
+    failures.finish()
+
+
+def test_ahead_off_matches_and_1f1b_holds_few_sent_activations() -> None:
+    """``ahead=False`` under both clocks equals the reference; a 1F1B stage holds O(stages)
+    sent activations where fill-drain holds all of them."""
+    run_workers(_modes_and_memory, 2, timeout=120, pg_timeout=60)
+
+
+# --------------------------------------------------------------------------- after a failure
+
+
+class Boom(nn.Module):
+    """A linear layer whose third forward (micro-batch 2) raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8).to(DTYPE)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            raise ZeroDivisionError("boom in layer")
+        return self.lin(x)
+
+
+def _after_failure(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    everyone = list(range(world))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Boom(), nn.Linear(8, 4)).to(DTYPE)
+    pipe = DistributedPipe(model, chunks=4, balance=[2, 1, 1], checkpoint="never",
+                           group=dist.new_group(everyone))
+    x, y = data(30, 8)
+
+    def step() -> None:
+        pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+                        F.mse_loss)
+
+    origin = "stage 1 failed in the forward of micro-batch 2"
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - checked below
+        kind = ZeroDivisionError if rank == 1 else PeerError
+        failures.expect(isinstance(exc, kind), f"failing step raised {exc!r}")
+    else:
+        failures.expect(False, "the failing step did not raise")
+    # The same pipe refuses at once, before any message (its last call's may be in flight).
+    for call in ("train_step", "forward"):
+        with Recorder() as rec:
+            started = time.monotonic()
+            try:
+                step() if call == "train_step" else pipe(x if rank == 0 else None)
+            except RuntimeError as exc:
+                text = str(exc)
+                failures.expect(not isinstance(exc, PeerError), f"{call}: {exc!r}")
+                for part in ("failed in an earlier call", origin, "new_group",
+                             "new DistributedPipe"):
+                    failures.expect(part in text, f"{call}: {part!r} not in {text!r}")
+            else:
+                failures.expect(False, f"{call} on the failed pipe did not raise")
+            elapsed = time.monotonic() - started
+        failures.expect(elapsed < 1.0, f"{call}: took {elapsed:.2f} s to refuse")
+        failures.expect(rec.buffers == 0 and rec.irecvs == 0 and not rec.messages,
+                        f"{call}: communicated while refusing: {rec.buffers} sends, "
+                        f"{rec.irecvs} receives")
+    # A new pipe on a new group works, and matches the reference.
+    torch.manual_seed(1)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 4)).to(DTYPE)
+    torch.manual_seed(1)
+    fresh = DistributedPipe(
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 4)).to(DTYPE),
+        chunks=4, balance=[2, 1, 1], group=dist.new_group(everyone))
+    for n in range(2):
+        fresh.zero_grad()
+        ref.zero_grad()
+        loss = fresh.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+                                F.mse_loss)
+        ref_loss = F.mse_loss(ref(x), y)
+        ref_loss.backward()
+        failures.close(loss, ref_loss.detach(), f"new pipe step {n}: loss")
+        failures.grads(fresh, ref, f"new pipe step {n}")
+    failures.finish()
+
+
+def test_failed_pipe_refuses_further_calls_and_a_new_one_works() -> None:
+    run_workers(_after_failure, 3, timeout=120, pg_timeout=60)
