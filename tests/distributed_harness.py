@@ -13,11 +13,12 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor, nn
 
 __all__ = ["run_workers", "free_port"]
 
@@ -64,3 +65,53 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+class Failures:
+    """Mismatches found on one rank of a multi-process test, raised on every rank at the end.
+
+    Collecting them instead of asserting at once keeps a rank that finds one from leaving
+    the others waiting in a collective; ``finish`` gathers everyone's and fails everywhere.
+    """
+
+    def __init__(self, rank: int, tol: Optional[Dict[str, float]] = None) -> None:
+        self.rank = rank
+        self.tol = tol if tol is not None else dict(atol=1e-9, rtol=1e-7)
+        self.items: List[str] = []
+
+    def expect(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.items.append(f"rank {self.rank}: {what}")
+
+    def close(self, actual: Optional[Tensor], expected: Optional[Tensor], what: str) -> None:
+        if actual is None or expected is None:
+            self.expect(actual is None and expected is None,
+                        f"{what}: one is None ({actual is None}, {expected is None})")
+            return
+        try:
+            torch.testing.assert_close(actual, expected, **self.tol)
+        except AssertionError as exc:
+            lines = str(exc).splitlines()
+            self.items.append(f"rank {self.rank}: {what}: {lines[0]} {lines[-1]}")
+
+    def grads(self, pipe: nn.Module, ref: nn.Module, what: str,
+              keys: Optional[Sequence[str]] = None) -> None:
+        """Every local parameter's gradient equals the reference's, by its original name;
+        with ``keys`` (the stage's layer names), the stage holds exactly their parameters."""
+        mine = dict(pipe.named_parameters())
+        theirs = dict(ref.named_parameters())
+        self.expect(bool(mine), f"{what}: no parameters on this stage")
+        if keys is not None:
+            expected = [k for k in theirs if k.split(".")[0] in keys]
+            self.expect(sorted(mine) == sorted(expected),
+                        f"{what}: named_parameters {sorted(mine)} != {sorted(expected)}")
+        for name, param in mine.items():
+            if name in theirs:
+                self.close(param.grad, theirs[name].grad, f"{what}: grad of {name}")
+
+    def finish(self) -> None:
+        everyone: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.items)
+        found = [item for items in everyone for item in items]
+        if found:
+            raise AssertionError(f"{len(found)} mismatch(es):\n" + "\n".join(found))

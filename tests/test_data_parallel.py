@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from distributed_harness import run_workers
 from seqpipe.distributed import DistributedPipe, mesh_groups
+from seqpipe.distributed.mesh import reverse_group
 
 
 def _model() -> nn.Sequential:
@@ -28,6 +29,9 @@ def _two_by_two(rank: int, world: int) -> None:
     pp, dp = mesh_groups(mesh)
     stage, replica = dist.get_rank(pp), dist.get_rank(dp)
     assert (stage, replica) == (rank // 2, rank % 2)
+    back = reverse_group(pp)  # the pipeline's second group: same ranks, made by mesh_groups
+    assert back is not None and back is not pp
+    assert dist.get_process_group_ranks(back) == dist.get_process_group_ranks(pp)
     for schedule, checkpoint in [("1f1b", "except_last"), ("fill_drain", "always"),
                                  ("1f1b", "never")]:
         reference = _model()

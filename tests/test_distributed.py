@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distributed_harness import run_workers
+from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.schedule import B, OneFOneB, ScheduleError
@@ -29,52 +29,10 @@ from seqpipe.skip import pop, skippable, stash
 
 CLOCKS = ("fill_drain", "1f1b")
 MODES = ("always", "except_last", "never")
-TOL = dict(atol=1e-9, rtol=1e-7)
 DTYPE = torch.float64
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-class Failures:
-    """Mismatches found on this rank; raised on every rank at the end of the worker."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.items: List[str] = []
-
-    def expect(self, ok: bool, what: str) -> None:
-        if not ok:
-            self.items.append(f"rank {self.rank}: {what}")
-
-    def close(self, actual: Optional[Tensor], expected: Optional[Tensor], what: str) -> None:
-        if actual is None or expected is None:
-            self.expect(actual is None and expected is None,
-                        f"{what}: one is None ({actual is None}, {expected is None})")
-            return
-        try:
-            torch.testing.assert_close(actual, expected, **TOL)
-        except AssertionError as exc:
-            self.items.append(f"rank {self.rank}: {what}: {str(exc).splitlines()[0]} "
-                              f"{str(exc).splitlines()[-1]}")
-
-    def grads(self, pipe: nn.Module, ref: nn.Module, keys: Sequence[str], what: str) -> None:
-        """Every local parameter's gradient equals the reference's, by its original name."""
-        mine = dict(pipe.named_parameters())
-        theirs = dict(ref.named_parameters())
-        expected = [k for k in theirs if k.split(".")[0] in keys]
-        self.expect(sorted(mine) == sorted(expected),
-                    f"{what}: named_parameters {sorted(mine)} != {sorted(expected)}")
-        for name, param in mine.items():
-            if name in theirs:
-                self.close(param.grad, theirs[name].grad, f"{what}: grad of {name}")
-
-    def finish(self) -> None:
-        everyone: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self.items)
-        found = [item for items in everyone for item in items]
-        if found:
-            raise AssertionError(f"{len(found)} mismatch(es):\n" + "\n".join(found))
 
 
 def own_keys(pipe: DistributedPipe) -> List[str]:
@@ -174,7 +132,7 @@ def _match_reference(rank: int, world: int, balance: List[int], loss_fn: Callabl
                        checkpoint=mode)
         loss = step(pipe, rank, world, x, y, loss_fn)
         failures.close(loss, ref_loss, f"{what}: loss")
-        failures.grads(pipe, ref, own_keys(pipe), what)
+        failures.grads(pipe, ref, what, own_keys(pipe))
 
 
 def _dropout(rank: int, world: int, balance: List[int], failures: Failures) -> None:
@@ -310,7 +268,7 @@ def skips(rank: int, world: int) -> None:
                                    checkpoint=mode)
                     loss = step(pipe, rank, world, inp, y, F.mse_loss)
                     failures.close(loss, ref_loss, f"{what}: loss")
-                    failures.grads(pipe, ref, own_keys(pipe), what)
+                    failures.grads(pipe, ref, what, own_keys(pipe))
                     everyone: List[Any] = [None] * world
                     dist.all_gather_object(everyone, list(sent))
                     routes = [r for records in everyone for r in records]
@@ -370,7 +328,7 @@ def batch_sizes(rank: int, world: int) -> None:
             ref_loss = F.mse_loss(ref(x), y)
             ref_loss.backward()
             failures.close(loss, ref_loss.detach(), f"{what}: loss")
-            failures.grads(pipe, ref, own_keys(pipe), what)
+            failures.grads(pipe, ref, what, own_keys(pipe))
     # Five SGD steps (with momentum) over pipe.parameters() follow the reference's losses.
     torch.manual_seed(6)
     ref = small()

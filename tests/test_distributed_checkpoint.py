@@ -24,7 +24,7 @@ compared at float64 rounding tolerance.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import distributed_harness as harness
 from distributed_harness import run_workers
 from seqpipe.distributed import DistributedPipe
 from seqpipe.distributed.checkpoint import (
@@ -120,16 +121,11 @@ def optim_state(net: nn.Module, opt: Optional[torch.optim.Optimizer]
             for name, p in net.named_parameters()}
 
 
-class Failures:
-    """Mismatches found on this rank; raised on every rank at the end of the worker."""
+class Failures(harness.Failures):
+    """``harness.Failures`` with bit-exact comparisons of values and state dicts."""
 
     def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.items: List[str] = []
-
-    def expect(self, ok: bool, what: str) -> None:
-        if not ok:
-            self.items.append(f"rank {self.rank}: {what}")
+        super().__init__(rank, TOL)
 
     def equal(self, actual: Any, expected: Any, what: str) -> None:
         if isinstance(expected, Tensor) and isinstance(actual, Tensor):
@@ -137,15 +133,6 @@ class Failures:
         else:
             ok = actual == expected
         self.expect(ok, f"{what}: {actual!r} != {expected!r}" if not ok else what)
-
-    def close(self, actual: Optional[Tensor], expected: Optional[Tensor], what: str) -> None:
-        if actual is None or expected is None:
-            self.expect(False, f"{what}: missing ({actual is None}, {expected is None})")
-            return
-        try:
-            torch.testing.assert_close(actual, expected, **TOL)
-        except AssertionError as exc:
-            self.items.append(f"rank {self.rank}: {what}: {str(exc).splitlines()[0]}")
 
     def states(self, actual: Dict[str, Any], expected: Dict[str, Any], what: str) -> None:
         """Two state dicts (model or per-parameter optimizer) equal bit for bit, by key."""
@@ -157,13 +144,6 @@ class Failures:
                 self.states(a, e, f"{what}[{key}]")
             else:
                 self.equal(a, e, f"{what}[{key}]")
-
-    def finish(self) -> None:
-        everyone: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self.items)
-        found = [item for items in everyone for item in items]
-        if found:
-            raise AssertionError(f"{len(found)} mismatch(es):\n" + "\n".join(found))
 
 
 def subset(state: Dict[str, Any], keys: Any) -> Dict[str, Any]:

@@ -9,55 +9,19 @@ end of the worker, so a rank that finds one never leaves the others waiting in a
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distributed_harness import run_workers
+from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
 from seqpipe.distributed.transport import HEADER_SLOTS, Kind, Transport
 
-TOL = dict(atol=1e-9, rtol=1e-7)
 DTYPE = torch.float64
 HEADER_BYTES = HEADER_SLOTS * 8
-
-
-class Failures:
-    """Mismatches found on this rank; raised on every rank at the end of the worker."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.items: List[str] = []
-
-    def expect(self, ok: bool, what: str) -> None:
-        if not ok:
-            self.items.append(f"rank {self.rank}: {what}")
-
-    def close(self, actual: Optional[Tensor], expected: Optional[Tensor], what: str) -> None:
-        if actual is None or expected is None:
-            self.expect(actual is None and expected is None, f"{what}: one is None")
-            return
-        try:
-            torch.testing.assert_close(actual, expected, **TOL)
-        except AssertionError as exc:
-            self.items.append(f"rank {self.rank}: {what}: {str(exc).splitlines()[0]}")
-
-    def grads(self, pipe: nn.Module, ref: nn.Module, what: str) -> None:
-        theirs = dict(ref.named_parameters())
-        mine = dict(pipe.named_parameters())
-        self.expect(bool(mine), f"{what}: no parameters on this stage")
-        for name, param in mine.items():
-            self.close(param.grad, theirs[name].grad, f"{what}: grad of {name}")
-
-    def finish(self) -> None:
-        everyone: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self.items)
-        found = [item for items in everyone for item in items]
-        if found:
-            raise AssertionError(f"{len(found)} mismatch(es):\n" + "\n".join(found))
 
 
 class Recorder:
@@ -152,6 +116,9 @@ def matched_step(pipe: DistributedPipe, ref: nn.Sequential, rank: int, world: in
 def _fast_path(rank: int, world: int) -> None:
     failures = Failures(rank)
     pipe, ref = built(1, chunks=4, balance=[2, 3], schedule="1f1b")
+    transport = pipe._transport  # on the world: a second group for messages to stage 0
+    failures.expect(transport.reverse is not transport.group and transport.ahead,
+                    "the world pipeline did not get a group per direction")
     even, ragged = data(2, 8), data(3, 10)  # micro-batches 2, 2, 2, 2 and 3, 3, 2, 2
     # A message carries its tensors in one buffer when the receiver posted a receive of the
     # right size, i.e. its shape matches the same message's in the previous call. Otherwise
@@ -305,6 +272,9 @@ def _after_failure(rank: int, world: int) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Boom(), nn.Linear(8, 4)).to(DTYPE)
     pipe = DistributedPipe(model, chunks=4, balance=[2, 1, 1], checkpoint="never",
                            group=dist.new_group(everyone))
+    # a group made by the user alone has no second group: both directions share it
+    failures.expect(pipe._transport.reverse is pipe._transport.group,
+                    "a user subgroup got a second group")
     x, y = data(30, 8)
 
     def step() -> None:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
+from seqpipe.distributed.mesh import reverse_group
 from seqpipe.distributed.plan import OPENING, Planned, messages
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.transport import Kind, Transport
@@ -33,28 +34,6 @@ class _CallPlan:
     actions: List[Action]
     incoming: Dict[int, List[Planned]]
     outgoing: Dict[int, List[Planned]]
-
-
-def _reverse_group(group: Optional[dist.ProcessGroup],
-                   device: torch.device) -> dist.ProcessGroup:
-    """A second group of the same ranks, for messages to lower stages (see ``Transport``).
-
-    Only its members take part in creating it, so pipelines of a mesh can each make their
-    own at once; it inherits ``group``'s timeout (a new group would otherwise get the
-    backend's default, 30 minutes on gloo), which bounds how long a receive waits for a
-    silent peer.
-    """
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    timeout = None
-    try:
-        parent = group if group is not None else dist.group.WORLD
-        timeout = parent._get_backend(device).options._timeout  # type: ignore[union-attr]
-    except (AttributeError, RuntimeError):
-        pass
-    new = dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group),
-                         use_local_synchronization=True)
-    assert new is not None
-    return new
 
 
 def _default_device() -> torch.device:
@@ -147,8 +126,7 @@ class DistributedPipe(nn.Module):
         object.__setattr__(self, "partition", partition)  # a view: its layers are registered
         self._stage = Stage(self.stage_index, partition, self.device, layout)
         self._layout = layout
-        self._transport = Transport(group, self.device,
-                                    reverse=_reverse_group(group, self.device))
+        self._transport = Transport(group, self.device, reverse=reverse_group(group))
         self.data_parallel_group = data_parallel_group
         self._reducer: Optional[GradientReducer] = None
         if data_parallel_group is not None:

@@ -28,7 +28,9 @@ receive posted ahead would hold up this rank's later sends to that peer, and und
 send and a receive issued in opposite orders on two ranks can deadlock once messages
 outgrow NCCL's buffers. With a group per direction each stream carries one direction, in
 the same order on both ends. Gloo runs the same code (its pairs then get a socket per
-direction).
+direction). A pipeline on a group for which no second group could be made (see
+``seqpipe.distributed.mesh``) uses its one group both ways; on NCCL it then posts each
+receive only when the message is needed.
 
 **Letting go of sent tensors.** A sent tensor must stay alive until its send completes.
 The plan says when a message has certainly been taken (its receiver has since sent
@@ -201,19 +203,22 @@ def _decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, bool, List[Op
 class Transport:
     """Sends and receives stage messages on ``group`` (stage index = rank in the group).
 
-    ``reverse``: the group carrying messages to lower stages (default: ``group``, which
-    is only safe on gloo). ``ahead``: post each peer's next receive as soon as the
-    previous message is taken (else when the message is needed).
+    ``reverse``: the group carrying messages to lower stages (default: ``group`` itself).
+    ``ahead``: post each peer's next receive as soon as the previous message is taken,
+    else when the message is needed (default: ahead unless NCCL must share one group
+    between both directions).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device,
                  timeout: Optional[timedelta] = None, *,
-                 reverse: Optional[dist.ProcessGroup] = None, ahead: bool = True) -> None:
+                 reverse: Optional[dist.ProcessGroup] = None,
+                 ahead: Optional[bool] = None) -> None:
         self.group = group
         self.reverse = reverse if reverse is not None else group
         self.device = device
         self.timeout = timeout
-        self.ahead = ahead
+        shared_nccl = reverse is None and dist.get_backend(group) == "nccl"
+        self.ahead = not shared_nccl if ahead is None else ahead
         self.index = dist.get_rank(group)
         self.failure: Optional[str] = None
         self._incoming: Dict[int, Deque[Planned]] = defaultdict(deque)
