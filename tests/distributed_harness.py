@@ -1,17 +1,20 @@
 """Run a function on N gloo processes on loopback, with a hard timeout.
 
 Each worker initialises a gloo process group over ``127.0.0.1`` with a short collective
-timeout and one intra-op thread, runs ``fn(rank, world_size, *args)``, and tears the
-group down. The parent waits at most ``timeout`` seconds; a hang kills every worker and
-fails the test instead of stalling CI. A worker's exception fails the test with the
-worker's traceback.
+timeout and one intra-op thread (the rendezvous goes through a file, so no port has to be
+picked in advance, where another process could take it first), runs
+``fn(rank, world_size, *args)``, and tears the group down. The parent waits at most
+``timeout`` seconds; a hang kills every worker and fails the test instead of stalling CI.
+A worker's exception fails the test with the worker's traceback.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -29,11 +32,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, pg_timeout: float,
+def _entry(rank: int, world_size: int, store: str, pg_timeout: float,
            fn: Callable[..., Any], args: tuple) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     try:
@@ -52,7 +55,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
                 pg_timeout: float = 30.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; raise on failure."""
     assert 1 <= world_size <= 4, "CI runs at most 4 processes"
-    context = mp.start_processes(_entry, args=(world_size, free_port(), pg_timeout, fn, args),
+    folder = tempfile.mkdtemp(prefix="seqpipe-test-pg-")
+    store = os.path.join(folder, "store")
+    context = mp.start_processes(_entry, args=(world_size, store, pg_timeout, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
@@ -65,6 +70,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             if process.is_alive():
                 process.kill()
                 process.join()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class Failures:

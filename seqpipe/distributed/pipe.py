@@ -1,6 +1,7 @@
 """``DistributedPipe``: one pipeline stage per process, over ``torch.distributed``."""
 from __future__ import annotations
 
+import warnings
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,7 +127,14 @@ class DistributedPipe(nn.Module):
         object.__setattr__(self, "partition", partition)  # a view: its layers are registered
         self._stage = Stage(self.stage_index, partition, self.device, layout)
         self._layout = layout
-        self._transport = Transport(group, self.device, reverse=reverse_group(group))
+        reverse = reverse_group(group)
+        if reverse is None and dist.get_backend(group) == "nccl":
+            warnings.warn("DistributedPipe on a process group made with dist.new_group: both "
+                          "directions share it, so on NCCL receives are posted only when "
+                          "needed, and 1F1B may deadlock once a message outgrows NCCL's "
+                          "buffers. Use group=None or seqpipe.distributed.mesh_groups, "
+                          "which give each direction its own group", stacklevel=2)
+        self._transport = Transport(group, self.device, reverse=reverse)
         self.data_parallel_group = data_parallel_group
         self._reducer: Optional[GradientReducer] = None
         if data_parallel_group is not None:
