@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import seqpipe.distributed.transport as transport
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
 from seqpipe.distributed.transport import HEADER_SLOTS, Kind, Transport
@@ -329,3 +330,45 @@ def _after_failure(rank: int, world: int) -> None:
 
 def test_failed_pipe_refuses_further_calls_and_a_new_one_works() -> None:
     run_workers(_after_failure, 3, timeout=120, pg_timeout=60)
+
+
+# -- packing, in this process -----------------------------------------------------------
+def _odd_tensors() -> List[Tensor]:
+    """One tensor of every dtype the wire carries, in awkward layouts."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 6, generator=gen)
+    tensors: List[Tensor] = [
+        base[:, ::2],  # strided, and a view (uniform stride 2) after flattening
+        base.t(),  # transposed
+        torch.tensor(3.5, dtype=torch.float64),  # 0-dim, like the loss
+        torch.zeros(0, 5),  # empty
+    ]
+    for dtype in transport._DTYPES:
+        if dtype.is_complex:
+            tensors.append(torch.randn(2, 3, dtype=dtype, generator=gen))
+        elif dtype.is_floating_point:
+            tensors.append(torch.randn(3, 5, generator=gen).to(dtype))
+        elif dtype == torch.bool:
+            tensors.append(torch.rand(7, generator=gen) > 0.5)
+        else:
+            tensors.append(torch.randint(-8 if dtype != torch.uint8 else 0, 8, (5,),
+                                         generator=gen).to(dtype))
+    return tensors
+
+
+def test_a_message_packs_into_one_buffer_and_unpacks_bit_exact() -> None:
+    tensors = _odd_tensors()
+    spec = transport._spec(tensors)
+    header = torch.arange(HEADER_SLOTS, dtype=torch.int64)
+    size = HEADER_BYTES + transport._nbytes(spec)
+    buffer = transport._pack(header, tensors, size, torch.device("cpu"))
+    assert buffer.dtype == torch.uint8 and buffer.numel() == size
+    assert torch.equal(buffer[:HEADER_BYTES].view(torch.int64), header)
+    unpacked = transport._unpack(buffer, HEADER_BYTES, spec)
+    for sent, got in zip(tensors, unpacked):
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert torch.equal(got, sent)
+    # a placeholder (the receiver expected another shape): header, then zeros
+    filler = transport._pack(header, [], size, torch.device("cpu"))
+    assert torch.equal(filler[:HEADER_BYTES].view(torch.int64), header)
+    assert not filler[HEADER_BYTES:].any()

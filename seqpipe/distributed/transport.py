@@ -134,7 +134,7 @@ def _pack(header: Optional[Tensor], tensors: Sequence[Tensor], size: int,
     if not tensors:
         buffer[offset:].zero_()  # a placeholder: send zeros, not stale memory
     for tensor in tensors:
-        data = tensor.detach().reshape(-1).view(torch.uint8)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[offset:offset + data.numel()].copy_(data)
         offset += -(-data.numel() // _ALIGN) * _ALIGN
     return buffer
