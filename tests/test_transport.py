@@ -317,14 +317,7 @@ def _after_failure(rank: int, world: int) -> None:
         nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 4)).to(DTYPE),
         chunks=4, balance=[2, 1, 1], group=dist.new_group(everyone))
     for n in range(2):
-        fresh.zero_grad()
-        ref.zero_grad()
-        loss = fresh.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
-                                F.mse_loss)
-        ref_loss = F.mse_loss(ref(x), y)
-        ref_loss.backward()
-        failures.close(loss, ref_loss.detach(), f"new pipe step {n}: loss")
-        failures.grads(fresh, ref, f"new pipe step {n}")
+        matched_step(fresh, ref, rank, world, x, y, failures, f"new pipe step {n}")
     failures.finish()
 
 
