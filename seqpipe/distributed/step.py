@@ -5,6 +5,9 @@ in an inbox. Stage 0 opens every call by telling the others how many micro-batch
 cut; the last stage closes it by sending the loss (or just "done") to every other stage, so
 a failure anywhere reaches every rank: a failing stage sends an ABORT to all others, and
 a stage waiting on a peer that reports a failure, or dies, raises and passes it on.
+
+The order in which a call sends its messages is the one ``seqpipe.distributed.plan``
+lists (every rank derives it to receive ahead); the transport checks each send against it.
 """
 from __future__ import annotations
 
