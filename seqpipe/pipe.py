@@ -85,7 +85,7 @@ class _Call:
                   for i in range(len(sizes))]
         sums = self.pipe._pipeline.backward(self.run, per_mb)
         input_grads = [self._input_grad(j, t) for j, t in enumerate(self.batch.tensors)]
-        return input_grads + [sums.sums.get(p) for p in self.params]
+        return input_grads + [sums.get(p) for p in self.params]
 
     def _input_grad(self, j: int, tensor: Tensor) -> Optional[Tensor]:
         assert self.run is not None

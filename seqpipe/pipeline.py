@@ -17,29 +17,16 @@ from torch import Tensor, nn
 from seqpipe.microbatch import Batch
 from seqpipe.rng import draw_seeds
 from seqpipe.schedule import Action, FillDrain, Schedule, backward_phase, forward_phase
+from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
 from seqpipe.stage import Grads, Received, Stage, TaskState, moved, wants_grad
 from seqpipe.stream import move
 from seqpipe.worker import Mailbox, Program, ThreadState, run_groups
 
-__all__ = ["LocalPipeline", "LocalRun", "GradSums"]
+__all__ = ["LocalPipeline", "LocalRun"]
 
 Optionals = Tuple[Optional[Tensor], ...]
-
-
-class GradSums:
-    """Parameter gradients summed over micro-batches, one owner thread per stage."""
-
-    def __init__(self) -> None:
-        self.sums: Dict[nn.Parameter, Tensor] = {}
-
-    def add(self, pairs: Sequence[Tuple[nn.Parameter, Tensor]]) -> None:
-        for param, grad in pairs:
-            if param in self.sums:
-                self.sums[param].add_(grad)
-            else:
-                self.sums[param] = grad
 
 
 @dataclass
@@ -49,6 +36,7 @@ class LocalRun:
     num_microbatches: int
     grad: bool
     states: Dict[Tuple[int, int], TaskState] = field(default_factory=dict)
+    sink: Optional[GradSink] = None  # where parameter gradients add up, with grad
     outputs: List[Optional[Batch]] = field(default_factory=list)
     input_grads: List[Optionals] = field(default_factory=list)
 
@@ -75,6 +63,8 @@ class LocalPipeline:
         """Run every micro-batch through every stage; outputs land in ``run.outputs``."""
         m, k = len(batches), len(self.stages)
         run = LocalRun(m, grad, outputs=[None] * m)
+        if grad:
+            run.sink = GradSink([stage.partition for stage in self.stages])
         seeds = draw_seeds(m * k) if self.isolate_rng else None
         mailbox = Mailbox()
         for i, batch in enumerate(batches):
@@ -96,7 +86,8 @@ class LocalPipeline:
                                     flags + tuple(f for _, f in skips))
                 sent, state = self.stages[s].forward(
                     received, grad=grad, checkpoint=grad and i < checkpoint_stop,
-                    seed=None if seeds is None else seeds[i * k + s])
+                    seed=None if seeds is None else seeds[i * k + s],
+                    sink=run.sink)
                 if state is not None:
                     run.states[(s, i)] = state
                 self._send_forward(mailbox, run, s, i, sent.outputs, sent.skips)
@@ -126,7 +117,8 @@ class LocalPipeline:
                                                   wants_grad(tensor)))
 
     # -- backward ----------------------------------------------------------------------
-    def backward(self, run: LocalRun, grad_outputs: Sequence[Optionals]) -> GradSums:
+    def backward(self, run: LocalRun,
+                 grad_outputs: Sequence[Optionals]) -> Dict[nn.Parameter, Tensor]:
         """Backpropagate ``grad_outputs`` (per micro-batch) through every stage.
 
         Fills ``run.input_grads`` and returns the parameters' gradients summed over
@@ -142,7 +134,6 @@ class LocalPipeline:
         mailbox = Mailbox()
         for i, grads in enumerate(grad_outputs):
             mailbox.put(("grad", k - 1, i), grads)
-        sums = [GradSums() for _ in range(k)]
 
         def program(s: int) -> Program:
             stashed = [skip.key for skip in self.layout.skips_stashed_by(s)]
@@ -156,9 +147,8 @@ class LocalPipeline:
                 i = a.microbatch
                 grads = mailbox.take(("grad", s, i))
                 skip_grads = {key: mailbox.take(("skipgrad", s, i, key)) for key in stashed}
-                received, params = self.stages[s].backward(run.states.pop((s, i)), grads,
-                                                           skip_grads)
-                sums[s].add(params)
+                received = self.stages[s].backward(run.states.pop((s, i)), grads, skip_grads,
+                                                   sink=run.sink)
                 self._send_backward(mailbox, run, s, i, received)
 
             return Program(s, backward_phase(self._actions(s, m)), ready, execute,
@@ -169,10 +159,7 @@ class LocalPipeline:
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         run_groups([inline, *threaded] if inline else threaded, mailbox,
                    ThreadState(autocast=False))
-        total = GradSums()
-        for part in sums:  # a parameter shared by two stages gets both sums
-            total.add(list(part.sums.items()))
-        return total
+        return dict(run.sink.take()) if run.sink is not None else {}
 
     def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,
                        received: Grads) -> None:

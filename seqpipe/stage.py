@@ -21,6 +21,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from seqpipe.batchnorm import DeferredBatchNorm
 from seqpipe.checkpoint import run_task
 from seqpipe.microbatch import Batch
+from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
 from seqpipe.stream import move
@@ -136,9 +137,9 @@ class Stage:
         """The parameters that receive gradients, in a fixed order."""
         return [p for p in self.partition.parameters() if p.requires_grad]
 
-    def _call(self, tracker: StageSkipTracker, atomic: bool,
-              protect: bool = False) -> Callable[..., Any]:
-        """The partition as a function of its input tensors.
+    def _call(self, tracker: StageSkipTracker, atomic: bool, protect: bool = False,
+              sink: Optional[GradSink] = None) -> Callable[..., Any]:
+        """The partition as a function of its input tensors (run with ``sink``'s aliases).
 
         With ``protect``, the inputs are copied inside the function: a checkpoint keeps
         its inputs for the recomputation, and a first layer that works in place (say
@@ -147,13 +148,20 @@ class Stage:
         def run(*tensors: Tensor) -> Any:
             if protect:
                 tensors = tuple(t.clone() for t in tensors)
+            value = Batch(tensors, atomic).value
             with use_skip_tracker(tracker):
-                return self.partition(Batch(tensors, atomic).value)
+                if sink is None:
+                    return self.partition(value)
+                return sink.call(self.index, self.partition, value)
         return run
 
     def forward(self, received: Received, *, grad: bool, checkpoint: bool = False,
-                seed: Optional[int] = None) -> Tuple[Sent, Optional[TaskState]]:
-        """Run the partition on one micro-batch; with ``grad``, keep what backward needs."""
+                seed: Optional[int] = None,
+                sink: Optional[GradSink] = None) -> Tuple[Sent, Optional[TaskState]]:
+        """Run the partition on one micro-batch; with ``grad``, keep what backward needs.
+
+        With a ``sink``, the parameters' gradients will accumulate there, not in ``.grad``.
+        """
         if not grad:
             tracker = StageSkipTracker(self.crossing, dict(received.skips))
             with torch.no_grad():
@@ -161,7 +169,7 @@ class Stage:
                                received.inputs.tensors, checkpoint=False, seed=seed)
             return self._sent(out, tracker), None
         with torch.enable_grad():  # also inside autograd.Function.forward, where it is off
-            return self._forward_with_grad(received, checkpoint, seed)
+            return self._forward_with_grad(received, checkpoint, seed, sink)
 
     def _sent(self, out: Any, tracker: StageSkipTracker) -> Sent:
         # Take the outgoing skips out of the tracker: a checkpoint keeps the tracker (for
@@ -175,8 +183,8 @@ class Stage:
                 f"name it declares each time it runs (stash None to send nothing)")
         return Sent(Batch.of(out), outgoing)
 
-    def _forward_with_grad(self, received: Received, checkpoint: bool,
-                           seed: Optional[int]) -> Tuple[Sent, TaskState]:
+    def _forward_with_grad(self, received: Received, checkpoint: bool, seed: Optional[int],
+                           sink: Optional[GradSink]) -> Tuple[Sent, TaskState]:
         keys = tuple(received.skips)
         incoming = [*received.inputs.tensors, *(received.skips[k] for k in keys)]
         present = [i for i, t in enumerate(incoming) if t is not None]
@@ -191,7 +199,7 @@ class Stage:
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         protect = checkpoint and bool(getattr(self.partition[0], "inplace", False))
-        out = run_task(self._call(tracker, received.inputs.atomic, protect), inputs,
+        out = run_task(self._call(tracker, received.inputs.atomic, protect, sink), inputs,
                        checkpoint=checkpoint, seed=seed)
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
@@ -199,13 +207,13 @@ class Stage:
         return sent, state
 
     def backward(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
-                 skip_grads: Dict[SkipKey, Optional[Tensor]], *, accumulate: bool = False,
-                 ) -> Tuple[Grads, List[Tuple[nn.Parameter, Tensor]]]:
-        """Backpropagate one micro-batch; return input/skip gradients and parameter ones.
+                 skip_grads: Dict[SkipKey, Optional[Tensor]], *,
+                 sink: Optional[GradSink] = None) -> Grads:
+        """Backpropagate one micro-batch; return the gradients of its inputs and skips.
 
-        With ``accumulate`` the parameter gradients are added to ``.grad`` instead of
-        returned (and parameters' post-accumulate hooks fire, e.g. a gradient reducer's);
-        the local engine returns them so autograd accumulates each parameter once.
+        The parameters' gradients accumulate into ``sink`` (the one the forward ran
+        with), else into ``.grad`` (their post-accumulate hooks fire, e.g. a gradient
+        reducer's).
         """
         pairs: List[Tuple[GradientEdge, Tensor]] = [
             (r, g) for r, g in zip(state.roots, grad_outputs) if r is not None and g is not None]
@@ -213,19 +221,12 @@ class Stage:
             root = state.skip_roots.get(key)
             if root is not None and grad is not None:
                 pairs.append((root, grad))
-        params = self.parameters()
         wrt: List[Tensor] = [state.phony] if state.phony is not None else []
-        wrt += params
-        param_grads: List[Tuple[nn.Parameter, Tensor]] = []
+        wrt += sink.leaves(self.index) if sink is not None else self.parameters()
         if pairs and wrt:
             roots, grads = zip(*pairs)
-            if accumulate:
-                torch.autograd.backward(list(roots), list(grads), inputs=wrt)
-            else:
-                result = torch.autograd.grad(list(roots), wrt, list(grads), allow_unused=True)
-                param_grads = [(p, g) for p, g in zip(params, result[len(wrt) - len(params):])
-                               if g is not None]
-        return self._received_grads(state), param_grads
+            torch.autograd.backward(list(roots), list(grads), inputs=wrt)
+        return self._received_grads(state)
 
     @staticmethod
     def _received_grads(state: TaskState) -> Grads:

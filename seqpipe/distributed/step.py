@@ -157,8 +157,7 @@ class Call:
         skip_grads = {skip.key: self.need(skip.pop_partition, Kind.SKIP_GRAD, i,
                                           self.key_index(skip.key)).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
-        received, _ = self.stage.backward(self.states.pop(i), grads, skip_grads,
-                                          accumulate=True)
+        received = self.stage.backward(self.states.pop(i), grads, skip_grads)
         if s > 0:
             self.send(s - 1, Kind.GRAD, i, received.inputs)
         for key, grad in received.skips.items():
