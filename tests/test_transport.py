@@ -365,3 +365,40 @@ def test_a_message_packs_into_one_buffer_and_unpacks_bit_exact() -> None:
     filler = transport._pack(header, [], size, torch.device("cpu"))
     assert torch.equal(filler[:HEADER_BYTES].view(torch.int64), header)
     assert not filler[HEADER_BYTES:].any()
+
+
+# -- a send that cannot go out ----------------------------------------------------------
+class ToDtype(nn.Module):
+    """Passes its input through, or casts it to ``dtype`` once ``dtype`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtype: Any = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x if self.dtype is None else x.to(self.dtype)
+
+
+def _unsendable(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    cast = ToDtype()
+    pipe = DistributedPipe(nn.Sequential(nn.Linear(8, 8), cast, nn.Linear(8, 4)).to(DTYPE),
+                           chunks=2, balance=[2, 1])
+    x, y = data(40, 7)  # micro-batches of 4 and 3: the messages after ACT 0 differ in size
+    step = (lambda: pipe.train_step(x if rank == 0 else None, y if rank == 1 else None,
+                                    F.mse_loss))
+    step()  # shapes known: stage 1 now posts the activation's receive ahead, sized for it
+    cast.dtype = torch.float8_e4m3fn  # a dtype the wire does not carry
+    try:
+        step()
+    except TypeError as exc:  # the sender: the original error, with the stage's note
+        assert rank == 0 and "cannot send a torch.float8_e4m3fn tensor" in str(exc), exc
+    except PeerError as exc:  # the receiver: told, in the buffer it had posted
+        assert rank == 1 and "cannot send a torch.float8_e4m3fn tensor" in str(exc), exc
+        assert "stage 0 failed in the forward of micro-batch 0" in str(exc), exc
+    else:
+        raise AssertionError("the step did not fail")
+
+
+def test_a_tensor_the_wire_cannot_carry_fails_both_ranks_after_shapes_are_cached() -> None:
+    run_workers(_unsendable, 2, timeout=60)

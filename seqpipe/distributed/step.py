@@ -83,6 +83,8 @@ class Call:
         """Queue a message to stage ``dst``; a failure to send is the peer's failure."""
         try:
             self.transport.send(dst, kind, microbatch, tensors, flags, **options)
+        except (TypeError, ValueError):  # what cannot be sent at all: this stage's error
+            raise
         except Exception as exc:
             raise PeerError(
                 f"stage {self.index} lost stage {dst} while at {self.action}, sending the "

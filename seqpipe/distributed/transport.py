@@ -289,7 +289,7 @@ class Transport:
              atomic: bool = True) -> None:
         """Queue a message to ``stage``; returns at once."""
         flags = flags if flags is not None else [False] * len(tensors)
-        planned = self._next_out(stage, (kind, microbatch, key))
+        planned = self._next_out(stage, (kind, microbatch, key))  # taken off once sent
         expected = self._expected_by(stage, planned)
         payload = [t for t in tensors if t is not None]
         actual = _spec(payload)
@@ -307,15 +307,19 @@ class Transport:
                 self._isend(_pack(None, payload, _nbytes(actual), self.device), stage, taken_at)
         if planned is not None:
             self._seen_out[(stage, *planned.identity)] = actual
+            self._outgoing[stage].popleft()
 
     def _next_out(self, dst: int, identity: Tuple[Kind, int, int]) -> Optional["Planned"]:
+        """The planned message this send is; it stays first in line until it went out, so
+        that a failure before then (say, a dtype the wire cannot carry) tells ``dst`` in a
+        buffer of the size ``dst`` posted for it."""
         queue = self._outgoing[dst]
         if not queue:
             return None
         if queue[0].identity != identity:
             raise RuntimeError(f"internal error: sending {identity} to stage {dst}, but the "
                                f"plan says {queue[0].identity} comes next")
-        return queue.popleft()
+        return queue[0]
 
     # -- receiving ---------------------------------------------------------------------
     def recv(self, stage: int) -> Message:
