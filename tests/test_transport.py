@@ -385,8 +385,10 @@ def _unsendable(rank: int, world: int) -> None:
     pipe = DistributedPipe(nn.Sequential(nn.Linear(8, 8), cast, nn.Linear(8, 4)).to(DTYPE),
                            chunks=2, balance=[2, 1])
     x, y = data(40, 7)  # micro-batches of 4 and 3: the messages after ACT 0 differ in size
-    step = (lambda: pipe.train_step(x if rank == 0 else None, y if rank == 1 else None,
-                                    F.mse_loss))
+
+    def step() -> Tensor:
+        return pipe.train_step(x if rank == 0 else None, y if rank == 1 else None, F.mse_loss)
+
     step()  # shapes known: stage 1 now posts the activation's receive ahead, sized for it
     cast.dtype = torch.float8_e4m3fn  # a dtype the wire does not carry
     try:
