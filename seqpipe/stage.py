@@ -4,8 +4,9 @@ Both engines drive stages the same way. A stage receives its micro-batch input a
 skip tensors popped in it, already on its device and cut from the sender's autograd
 graph; it runs its partition (checkpointed or not) and hands back its output and the
 skip tensors stashed for later partitions. For the backward it takes the gradients of
-what it sent and returns the gradients of what it received, plus its parameters'
-gradients. Cutting the graph at every boundary is what lets each stage's backward run
+what it sent and returns the gradients of what it received; its parameters' gradients
+accumulate into their ``.grad`` (distributed engine) or into a ``GradSink`` (local
+engine, which hands autograd the sums once). Cutting the graph at every boundary is what lets each stage's backward run
 on its own thread (local engine) or process (distributed engine), in the order a
 schedule says.
 """
