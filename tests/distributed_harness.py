@@ -32,11 +32,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, store: str, pg_timeout: float,
+def _entry(rank: int, world_size: int, store: str, pg_timeout: float, backend: str,
            fn: Callable[..., Any], args: tuple) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     try:
@@ -52,12 +54,16 @@ def _entry(rank: int, world_size: int, store: str, pg_timeout: float,
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-                pg_timeout: float = 30.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; raise on failure."""
+                pg_timeout: float = 30.0, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; raise on failure.
+
+    ``backend="nccl"`` gives rank ``r`` the GPU ``cuda:r``.
+    """
     assert 1 <= world_size <= 4, "CI runs at most 4 processes"
     folder = tempfile.mkdtemp(prefix="seqpipe-test-pg-")
     store = os.path.join(folder, "store")
-    context = mp.start_processes(_entry, args=(world_size, store, pg_timeout, fn, args),
+    context = mp.start_processes(_entry, args=(world_size, store, pg_timeout, backend, fn,
+                                               args),
                                  nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
