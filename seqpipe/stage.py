@@ -6,9 +6,9 @@ graph; it runs its partition (checkpointed or not) and hands back its output and
 skip tensors stashed for later partitions. For the backward it takes the gradients of
 what it sent and returns the gradients of what it received; its parameters' gradients
 accumulate into their ``.grad`` (distributed engine) or into a ``GradSink`` (local
-engine, which hands autograd the sums once). Cutting the graph at every boundary is what lets each stage's backward run
-on its own thread (local engine) or process (distributed engine), in the order a
-schedule says.
+engine, which hands autograd the sums once). Cutting the graph at every boundary is what
+lets each stage's backward run on its own thread (local engine) or process (distributed
+engine), in the order a schedule says.
 """
 from __future__ import annotations
 
@@ -214,7 +214,8 @@ class Stage:
 
         The parameters' gradients accumulate into ``sink`` (the one the forward ran
         with), else into ``.grad`` (their post-accumulate hooks fire, e.g. a gradient
-        reducer's).
+        reducer's). A parameter a layer uses without its module's entry (so without the
+        alias) still gets its gradient, in ``.grad``.
         """
         pairs: List[Tuple[GradientEdge, Tensor]] = [
             (r, g) for r, g in zip(state.roots, grad_outputs) if r is not None and g is not None]
@@ -223,7 +224,9 @@ class Stage:
             if root is not None and grad is not None:
                 pairs.append((root, grad))
         wrt: List[Tensor] = [state.phony] if state.phony is not None else []
-        wrt += sink.leaves(self.index) if sink is not None else self.parameters()
+        # The real parameters too: a layer may reach one other than through its module's
+        # registered entries (say, a plain list), which an alias cannot stand in for.
+        wrt += (sink.leaves(self.index) if sink is not None else []) + self.parameters()
         if pairs and wrt:
             roots, grads = zip(*pairs)
             torch.autograd.backward(list(roots), list(grads), inputs=wrt)

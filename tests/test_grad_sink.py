@@ -143,3 +143,23 @@ def test_the_sink_hands_each_sum_over_once() -> None:
     torch.testing.assert_close(pairs[layer.bias], torch.full((4,), 6.0))
     torch.testing.assert_close(pairs[layer.weight], torch.full((4, 4), 6.0))
     assert sink.take() == []  # handed over: nothing left
+
+
+def test_a_parameter_reached_outside_its_module_entries_still_gets_its_gradient() -> None:
+    class Side(nn.Module):
+        """Uses another layer's weight through a plain list, not a registered entry."""
+
+        def __init__(self, weight: nn.Parameter) -> None:
+            super().__init__()
+            self.refs = [weight]
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x @ self.refs[0].t()
+
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    model.append(Side(model[2].weight))  # in the partition that holds it
+    x = torch.randn(8, 6, dtype=torch.float64)
+    expected = _plain_grads(model, x)
+    pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"])
+    _assert_same(_pipe_grads(pipe, x), expected)
