@@ -226,7 +226,9 @@ class Stage:
         wrt: List[Tensor] = [state.phony] if state.phony is not None else []
         # The real parameters too: a layer may reach one other than through its module's
         # registered entries (say, a plain list), which an alias cannot stand in for.
-        wrt += (sink.leaves(self.index) if sink is not None else []) + self.parameters()
+        if sink is not None:
+            wrt += sink.leaves(self.index)
+        wrt += self.parameters()
         if pairs and wrt:
             roots, grads = zip(*pairs)
             torch.autograd.backward(list(roots), list(grads), inputs=wrt)

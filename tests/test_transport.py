@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import seqpipe.distributed.transport as transport
+import seqpipe.distributed.wire as wire
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
 from seqpipe.distributed.transport import HEADER_SLOTS, Kind, Transport
@@ -336,7 +336,7 @@ def _odd_tensors() -> List[Tensor]:
         torch.tensor(3.5, dtype=torch.float64),  # 0-dim, like the loss
         torch.zeros(0, 5),  # empty
     ]
-    for dtype in transport._DTYPES:
+    for dtype in wire._DTYPES:
         if dtype.is_complex:
             tensors.append(torch.randn(2, 3, dtype=dtype, generator=gen))
         elif dtype.is_floating_point:
@@ -351,18 +351,18 @@ def _odd_tensors() -> List[Tensor]:
 
 def test_a_message_packs_into_one_buffer_and_unpacks_bit_exact() -> None:
     tensors = _odd_tensors()
-    spec = transport._spec(tensors)
+    spec = wire.spec_of(tensors)
     header = torch.arange(HEADER_SLOTS, dtype=torch.int64)
-    size = HEADER_BYTES + transport._nbytes(spec)
-    buffer = transport._pack(header, tensors, size, torch.device("cpu"))
+    size = HEADER_BYTES + wire.nbytes(spec)
+    buffer = wire.pack(header, tensors, size, torch.device("cpu"))
     assert buffer.dtype == torch.uint8 and buffer.numel() == size
     assert torch.equal(buffer[:HEADER_BYTES].view(torch.int64), header)
-    unpacked = transport._unpack(buffer, HEADER_BYTES, spec)
+    unpacked = wire.unpack(buffer, HEADER_BYTES, spec)
     for sent, got in zip(tensors, unpacked):
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got, sent)
     # a placeholder (the receiver expected another shape): header, then zeros
-    filler = transport._pack(header, [], size, torch.device("cpu"))
+    filler = wire.pack(header, [], size, torch.device("cpu"))
     assert torch.equal(filler[:HEADER_BYTES].view(torch.int64), header)
     assert not filler[HEADER_BYTES:].any()
 

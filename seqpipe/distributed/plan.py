@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from seqpipe.distributed.transport import Kind
+from seqpipe.distributed.wire import Kind
 from seqpipe.schedule import Action, Phase
 from seqpipe.skip.layout import SkipLayout
 

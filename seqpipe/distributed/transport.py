@@ -1,14 +1,9 @@
 """Point-to-point messages between pipeline stages over ``torch.distributed``.
 
-Only tensors travel. Every message is one byte buffer: a fixed-size int64 header, then its
-tensors' bytes. The header names the message kind, the micro-batch, the skip (by its index
-in the skip layout, the same on every rank), and each tensor's dtype, shape and whether it
-wants a gradient. So uneven micro-batches and batch sizes that change between steps need no
-agreement in advance. One buffer per message rather than one per tensor halves the
-rendezvous a hop costs (each point-to-point operation is a handshake with the peer), at
-the price of one copy of the payload on each side. Sends are non-blocking: a stage never
-waits for its neighbour to receive, so schedules such as 1F1B cannot deadlock on sends.
-NCCL and gloo share this one code path.
+A message is one tensor-only buffer (``seqpipe.distributed.wire``), so uneven
+micro-batches and batch sizes that change between steps need no agreement in advance.
+Sends are non-blocking: a stage never waits for its neighbour to receive, so schedules such
+as 1F1B cannot deadlock on sends. NCCL and gloo share this one code path.
 
 **Receiving ahead.** Each call, both ends of every pair of stages are told the same plan
 (``seqpipe.distributed.plan``): the messages one sends the other, in order. A receiver
@@ -39,8 +34,6 @@ released then, and a 1F1B stage holds O(stages) sent activations, not O(micro-ba
 """
 from __future__ import annotations
 
-import enum
-import math
 import sys
 import time
 from collections import defaultdict, deque
@@ -52,53 +45,33 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.distributed.wire import (
+    HEADER_BYTES,
+    HEADER_SLOTS,
+    Kind,
+    Message,
+    Spec,
+    decode,
+    decode_text,
+    encode,
+    encode_text,
+    nbytes,
+    pack,
+    spec_of,
+    unpack,
+)
+
 if TYPE_CHECKING:
     from seqpipe.distributed.plan import Planned
 
 __all__ = ["Kind", "Message", "Transport", "PeerError", "HEADER_SLOTS"]
 
-HEADER_SLOTS = 256
-_HEADER_BYTES = HEADER_SLOTS * 8
-_ALIGN = 16  # payload offsets: a multiple of every dtype's size, so views need no copy
-_MAGIC = 0x5E9419E
-_FIXED = 8  # magic, kind, micro-batch, key, count, atomic, reshaped, number of tensors
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-           torch.complex128]
-
-Spec = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]  # a payload: each tensor's dtype, shape
 _Sent = Tuple[int, dist.Work, Tensor]  # taken_at, work, the buffer it must keep alive
 _abandoned: List[object] = []  # receives and sends left behind by a failed call
 
 
-class Kind(enum.IntEnum):
-    """What a message carries."""
-
-    ACTIVATION = 1
-    GRAD = 2
-    SKIP = 3
-    SKIP_GRAD = 4
-    ABORT = 5
-    STEP = 6  # from stage 0 at the start of a call: how many micro-batches (``count``)
-    DONE = 7  # from the stage that finishes last: every stage has done its part
-    LOSS = 8  # from the last stage at the end of a training step: the mini-batch loss
-
-
 class PeerError(RuntimeError):
     """Another stage failed; raised on every rank that was waiting on it."""
-
-
-@dataclass
-class Message:
-    """A received message: its kind, micro-batch, skip index and tensors (None = absent)."""
-
-    kind: Kind
-    microbatch: int
-    key: int
-    tensors: Tuple[Optional[Tensor], ...]
-    flags: Tuple[bool, ...]
-    count: int = 0  # micro-batches in the call (STEP messages)
-    atomic: bool = True  # a single tensor rather than a tuple (activations)
 
 
 @dataclass
@@ -109,95 +82,6 @@ class _Posted:
     spec: Spec
     buffer: Tensor
     work: dist.Work
-
-
-def _spec(tensors: Iterable[Optional[Tensor]]) -> Spec:
-    return tuple((t.dtype, tuple(t.shape)) for t in tensors if t is not None)
-
-
-def _sizes(spec: Spec) -> List[int]:
-    return [math.prod(shape) * dtype.itemsize for dtype, shape in spec]
-
-
-def _nbytes(spec: Spec) -> int:
-    return sum(-(-n // _ALIGN) * _ALIGN for n in _sizes(spec))
-
-
-def _pack(header: Optional[Tensor], tensors: Sequence[Tensor], size: int,
-          device: torch.device) -> Tensor:
-    """One byte buffer of ``size``: the header (if any), then each tensor, aligned."""
-    buffer = torch.empty(size, dtype=torch.uint8, device=device)
-    offset = 0
-    if header is not None:
-        buffer[:_HEADER_BYTES].copy_(header.view(torch.uint8))
-        offset = _HEADER_BYTES
-    if not tensors:
-        buffer[offset:].zero_()  # a placeholder: send zeros, not stale memory
-    for tensor in tensors:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset:offset + data.numel()].copy_(data)
-        offset += -(-data.numel() // _ALIGN) * _ALIGN
-    return buffer
-
-
-def _unpack(buffer: Tensor, offset: int, spec: Spec) -> List[Tensor]:
-    """The tensors of ``spec`` laid out in ``buffer`` from ``offset`` (views, no copy)."""
-    tensors = []
-    for (dtype, shape), n in zip(spec, _sizes(spec)):
-        tensors.append(buffer[offset:offset + n].view(dtype).view(shape))
-        offset += -(-n // _ALIGN) * _ALIGN
-    return tensors
-
-
-def _encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, reshaped: bool,
-            tensors: Sequence[Optional[Tensor]], flags: Sequence[bool]) -> Tensor:
-    words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), int(reshaped), len(tensors)]
-    for tensor, flag in zip(tensors, flags):
-        if tensor is None:
-            words += [0]
-            continue
-        if tensor.dtype not in _DTYPES:
-            raise TypeError(f"cannot send a {tensor.dtype} tensor between stages; supported: "
-                            f"{', '.join(str(d) for d in _DTYPES)}")
-        words += [1, _DTYPES.index(tensor.dtype), int(flag), tensor.dim(), *tensor.shape]
-    if len(words) > HEADER_SLOTS:
-        raise ValueError(f"a message of {len(tensors)} tensors with these shapes needs "
-                         f"{len(words)} header slots, more than {HEADER_SLOTS}; send fewer "
-                         f"or lower-rank tensors between stages")
-    return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
-
-
-def _encode_text(kind: Kind, text: str) -> Tensor:
-    """A header that carries a short UTF-8 text in its spare slots (one message, no tensors)."""
-    room = (HEADER_SLOTS - _FIXED - 1) * 8
-    data = text.encode("utf-8")[:room]
-    data += b"\0" * (-len(data) % 8)
-    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, 0, len(data)]
-    words += [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
-    return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
-
-
-def _decode_text(header: List[int]) -> str:
-    data = b"".join(w.to_bytes(8, "little", signed=True) for w in header[_FIXED + 1:])
-    return data[:header[_FIXED]].rstrip(b"\0").decode("utf-8", "replace")
-
-
-def _decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, bool, List[Optional[Tuple]]]:
-    if header[0] != _MAGIC:
-        raise RuntimeError("received a corrupt pipeline header: the stages disagree about "
-                           "the message order (are all ranks running the same schedule?)")
-    kind, microbatch, key, count, atomic, reshaped, n = header[1:_FIXED]
-    specs: List[Optional[Tuple]] = []
-    pos = _FIXED
-    for _ in range(n):
-        if header[pos] == 0:
-            specs.append(None)
-            pos += 1
-            continue
-        dtype, flag, ndim = _DTYPES[header[pos + 1]], bool(header[pos + 2]), header[pos + 3]
-        specs.append((dtype, flag, tuple(header[pos + 4:pos + 4 + ndim])))
-        pos += 4 + ndim
-    return Kind(kind), microbatch, key, count, bool(atomic), bool(reshaped), specs
 
 
 class Transport:
@@ -275,7 +159,7 @@ class Transport:
         queue = self._incoming[src]
         planned = queue.popleft() if queue else None
         spec = self._seen_in.get((src, *planned.identity), ()) if planned else ()
-        buffer = torch.empty(_HEADER_BYTES + _nbytes(spec), dtype=torch.uint8,
+        buffer = torch.empty(HEADER_BYTES + nbytes(spec), dtype=torch.uint8,
                              device=self.device)
         self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
 
@@ -292,19 +176,19 @@ class Transport:
         planned = self._next_out(stage, (kind, microbatch, key))  # taken off once sent
         expected = self._expected_by(stage, planned)
         payload = [t for t in tensors if t is not None]
-        actual = _spec(payload)
+        actual = spec_of(payload)
         reshaped = actual != expected
         taken_at = planned.taken_at if planned else sys.maxsize
-        header = _encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags)
+        header = encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags)
         header = header.to(self.device)
         if not reshaped:
-            self._isend(_pack(header, payload, _HEADER_BYTES + _nbytes(actual), self.device),
+            self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device),
                         stage, taken_at)
         else:  # fill the receive the peer posted; the real payload follows on its own
-            self._isend(_pack(header, [], _HEADER_BYTES + _nbytes(expected), self.device),
+            self._isend(pack(header, [], HEADER_BYTES + nbytes(expected), self.device),
                         stage, taken_at)
             if payload:
-                self._isend(_pack(None, payload, _nbytes(actual), self.device), stage, taken_at)
+                self._isend(pack(None, payload, nbytes(actual), self.device), stage, taken_at)
         if planned is not None:
             self._seen_out[(stage, *planned.identity)] = actual
             self._outgoing[stage].popleft()
@@ -328,10 +212,10 @@ class Transport:
             self._post(stage)
         posted = self._posted.pop(stage)
         self._wait(posted.work)
-        header = posted.buffer[:_HEADER_BYTES].view(torch.int64).tolist()
-        kind, microbatch, key, count, atomic, reshaped, specs = _decode(header)
+        header = posted.buffer[:HEADER_BYTES].view(torch.int64).tolist()
+        kind, microbatch, key, count, atomic, reshaped, specs = decode(header)
         if kind is Kind.ABORT:
-            raise PeerError(_decode_text(header))
+            raise PeerError(decode_text(header))
         planned = posted.planned
         if planned is not None and planned.identity != (kind, microbatch, key):
             raise RuntimeError(f"internal error: stage {stage} sent {(kind, microbatch, key)} "
@@ -341,12 +225,12 @@ class Transport:
             if spec != posted.spec:
                 raise RuntimeError(f"internal error: stage {stage} sent a payload of another "
                                    f"shape than this stage posted, without saying so")
-            payload = _unpack(posted.buffer, _HEADER_BYTES, spec)
+            payload = unpack(posted.buffer, HEADER_BYTES, spec)
         else:
-            buffer = torch.empty(_nbytes(spec), dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(nbytes(spec), dtype=torch.uint8, device=self.device)
             if spec:
                 self._wait(self._irecv(buffer, stage))
-            payload = _unpack(buffer, 0, spec)
+            payload = unpack(buffer, 0, spec)
         if planned is not None:
             self._seen_in[(stage, *planned.identity)] = spec
             self._release(stage, planned.sent_at)
@@ -411,12 +295,12 @@ class Transport:
         call's.
         """
         self.failure = text
-        header = _encode_text(Kind.ABORT, text).to(self.device)
+        header = encode_text(Kind.ABORT, text).to(self.device)
         for stage in stages:
             queue = self._outgoing[stage]
-            size = _HEADER_BYTES + _nbytes(self._expected_by(stage, queue[0] if queue else None))
+            size = HEADER_BYTES + nbytes(self._expected_by(stage, queue[0] if queue else None))
             try:
-                self._isend(_pack(header, [], size, self.device), stage, sys.maxsize)
+                self._isend(pack(header, [], size, self.device), stage, sys.maxsize)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
                 pass
         pending = [entry for sent in self._pending.values() for entry in sent]

@@ -1,0 +1,149 @@
+"""The wire format of a pipeline message: one byte buffer, a header and then the tensors.
+
+Only tensors travel. The header (``HEADER_SLOTS`` int64 words) names the message kind, the
+micro-batch, the skip (by its index in the skip layout, the same on every rank), whether
+the payload had another shape than the receiver expected ("reshaped"), and each tensor's
+dtype, shape and whether it wants a gradient; a failure notice carries its text in the
+header instead. The tensors follow in the same buffer, each at an offset aligned for any
+dtype, so a receiver takes them out as views, without copying. One buffer per message
+rather than one per tensor halves the rendezvous a hop costs (each point-to-point
+operation is a handshake with the peer), at the price of one copy of the payload on each
+side.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["HEADER_SLOTS", "HEADER_BYTES", "Kind", "Message", "Spec", "spec_of", "nbytes",
+           "pack", "unpack", "encode", "encode_text", "decode", "decode_text"]
+
+HEADER_SLOTS = 256
+HEADER_BYTES = HEADER_SLOTS * 8
+_ALIGN = 16  # payload offsets: a multiple of every dtype's size, so views need no copy
+_MAGIC = 0x5E9419E
+_FIXED = 8  # magic, kind, micro-batch, key, count, atomic, reshaped, number of tensors
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+           torch.complex128]
+
+Spec = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]  # a payload: each tensor's dtype, shape
+
+class Kind(enum.IntEnum):
+    """What a message carries."""
+
+    ACTIVATION = 1
+    GRAD = 2
+    SKIP = 3
+    SKIP_GRAD = 4
+    ABORT = 5
+    STEP = 6  # from stage 0 at the start of a call: how many micro-batches (``count``)
+    DONE = 7  # from the stage that finishes last: every stage has done its part
+    LOSS = 8  # from the last stage at the end of a training step: the mini-batch loss
+
+
+@dataclass
+class Message:
+    """A received message: its kind, micro-batch, skip index and tensors (None = absent)."""
+
+    kind: Kind
+    microbatch: int
+    key: int
+    tensors: Tuple[Optional[Tensor], ...]
+    flags: Tuple[bool, ...]
+    count: int = 0  # micro-batches in the call (STEP messages)
+    atomic: bool = True  # a single tensor rather than a tuple (activations)
+
+
+def spec_of(tensors: Iterable[Optional[Tensor]]) -> Spec:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors if t is not None)
+
+
+def _sizes(spec: Spec) -> List[int]:
+    return [math.prod(shape) * dtype.itemsize for dtype, shape in spec]
+
+
+def nbytes(spec: Spec) -> int:
+    return sum(-(-n // _ALIGN) * _ALIGN for n in _sizes(spec))
+
+
+def pack(header: Optional[Tensor], tensors: Sequence[Tensor], size: int,
+          device: torch.device) -> Tensor:
+    """One byte buffer of ``size``: the header (if any), then each tensor, aligned."""
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    offset = 0
+    if header is not None:
+        buffer[:HEADER_BYTES].copy_(header.view(torch.uint8))
+        offset = HEADER_BYTES
+    if not tensors:
+        buffer[offset:].zero_()  # a placeholder: send zeros, not stale memory
+    for tensor in tensors:
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset:offset + data.numel()].copy_(data)
+        offset += -(-data.numel() // _ALIGN) * _ALIGN
+    return buffer
+
+
+def unpack(buffer: Tensor, offset: int, spec: Spec) -> List[Tensor]:
+    """The tensors of ``spec`` laid out in ``buffer`` from ``offset`` (views, no copy)."""
+    tensors = []
+    for (dtype, shape), n in zip(spec, _sizes(spec)):
+        tensors.append(buffer[offset:offset + n].view(dtype).view(shape))
+        offset += -(-n // _ALIGN) * _ALIGN
+    return tensors
+
+
+def encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, reshaped: bool,
+            tensors: Sequence[Optional[Tensor]], flags: Sequence[bool]) -> Tensor:
+    words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), int(reshaped), len(tensors)]
+    for tensor, flag in zip(tensors, flags):
+        if tensor is None:
+            words += [0]
+            continue
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"cannot send a {tensor.dtype} tensor between stages; supported: "
+                            f"{', '.join(str(d) for d in _DTYPES)}")
+        words += [1, _DTYPES.index(tensor.dtype), int(flag), tensor.dim(), *tensor.shape]
+    if len(words) > HEADER_SLOTS:
+        raise ValueError(f"a message of {len(tensors)} tensors with these shapes needs "
+                         f"{len(words)} header slots, more than {HEADER_SLOTS}; send fewer "
+                         f"or lower-rank tensors between stages")
+    return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
+
+
+def encode_text(kind: Kind, text: str) -> Tensor:
+    """A header that carries a short UTF-8 text in its spare slots (one message, no tensors)."""
+    room = (HEADER_SLOTS - _FIXED - 1) * 8
+    data = text.encode("utf-8")[:room]
+    data += b"\0" * (-len(data) % 8)
+    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, 0, len(data)]
+    words += [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+    return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
+
+
+def decode_text(header: List[int]) -> str:
+    data = b"".join(w.to_bytes(8, "little", signed=True) for w in header[_FIXED + 1:])
+    return data[:header[_FIXED]].rstrip(b"\0").decode("utf-8", "replace")
+
+
+def decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, bool, List[Optional[Tuple]]]:
+    if header[0] != _MAGIC:
+        raise RuntimeError("received a corrupt pipeline header: the stages disagree about "
+                           "the message order (are all ranks running the same schedule?)")
+    kind, microbatch, key, count, atomic, reshaped, n = header[1:_FIXED]
+    specs: List[Optional[Tuple]] = []
+    pos = _FIXED
+    for _ in range(n):
+        if header[pos] == 0:
+            specs.append(None)
+            pos += 1
+            continue
+        dtype, flag, ndim = _DTYPES[header[pos + 1]], bool(header[pos + 2]), header[pos + 3]
+        specs.append((dtype, flag, tuple(header[pos + 4:pos + 4 + ndim])))
+        pos += 4 + ndim
+    return Kind(kind), microbatch, key, count, bool(atomic), bool(reshaped), specs
