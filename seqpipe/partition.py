@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 __all__ = ["Device", "check_balance", "verify_module", "split_by_balance", "split_by_placement",
            "layer_device", "default_devices"]
@@ -18,7 +19,7 @@ Device = Union[str, int, torch.device]
 
 
 def verify_module(module: object) -> None:
-    """Raise unless ``module`` is an ``nn.Sequential`` of distinct, non-empty layers."""
+    """Raise unless ``module`` is an ``nn.Sequential`` of distinct, initialized layers."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"seqpipe needs an nn.Sequential, got {type(module).__name__}; "
@@ -32,6 +33,13 @@ def verify_module(module: object) -> None:
                 f"layers '{seen[id(layer)]}' and '{name}' are the same module object; "
                 f"a pipeline cannot place one layer in two positions — use separate copies")
         seen[id(layer)] = name
+    lazy = [name for name, t in (*module.named_parameters(), *module.named_buffers())
+            if isinstance(t, (UninitializedParameter, UninitializedBuffer))]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy[:3])}{' and others' if len(lazy) > 3 else ''} not initialized "
+            f"yet (a lazy module such as nn.LazyLinear); run the model once on a sample "
+            f"batch to initialize them, then wrap it")
 
 
 def default_devices(count: int) -> List[torch.device]:

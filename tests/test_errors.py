@@ -298,3 +298,14 @@ def test_higher_order_gradients_raise_instead_of_silently_dropping_the_graph() -
     x = torch.randn(4, 3, requires_grad=True)
     with pytest.raises(RuntimeError, match="create_graph=True"):
         torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
+
+
+def test_lazy_modules_must_be_initialized_first():
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"0\.weight, 0\.bias, 2\.weight and others not "
+                                         r"initialized yet .*run the model once"):
+        Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"])
+    model(torch.randn(1, 3))  # initialized: now it pipelines
+    pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"])
+    pipe(torch.randn(4, 3)).sum().backward()
+    assert all(p.grad is not None for p in pipe.parameters())
