@@ -9,7 +9,9 @@ end of the worker, so a rank that finds one never leaves the others waiting in a
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Dict, List, Tuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -404,3 +406,32 @@ def _unsendable(rank: int, world: int) -> None:
 
 def test_a_tensor_the_wire_cannot_carry_fails_both_ranks_after_shapes_are_cached() -> None:
     run_workers(_unsendable, 2, timeout=60)
+
+
+# -- NCCL on a hand-made group ----------------------------------------------------------
+def _shared_nccl_group(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    group = dist.new_group(list(range(world)))
+    real = dist.get_backend
+
+    def as_if_nccl(g: Any = None) -> str:
+        return "nccl" if g is group else real(g)
+
+    # Only the backend's name is faked: the pipe must warn, and fall back to receiving
+    # when a message is needed (one group both ways), and still compute the same thing.
+    with mock.patch.object(dist, "get_backend", as_if_nccl), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe, ref = built(5, chunks=4, balance=[2, 3], schedule="1f1b", group=group)
+    texts = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    failures.expect(any("both directions share it" in t and "mesh_groups" in t
+                        for t in texts), f"no warning about the shared group: {texts}")
+    failures.expect(not pipe._transport.ahead and pipe._transport.reverse is group,
+                    "a shared NCCL group must receive only when needed")
+    x, y = data(6, 8)
+    matched_step(pipe, ref, rank, world, x, y, failures, "shared group, receive when needed")
+    failures.finish()
+
+
+def test_a_hand_made_nccl_group_warns_and_receives_only_when_needed() -> None:
+    run_workers(_shared_nccl_group, 2, timeout=60)
