@@ -41,6 +41,8 @@ class GradSink:
         self.params: List[nn.Parameter] = []
         self._aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias
         self._slots: List[List[_Slot]] = [self._slots_of(p) for p in partitions]
+        self._leaves = [list({id(alias): alias for *_, alias in slots}.values())
+                        for slots in self._slots]
         self._installed: Dict[Tuple[int, str], int] = {}
         self._lock = threading.Lock()
 
@@ -83,7 +85,7 @@ class GradSink:
 
     def leaves(self, stage: int) -> List[Tensor]:
         """Partition ``stage``'s aliases, to backpropagate into (``inputs=``)."""
-        return list({id(alias): alias for _, _, _, alias in self._slots[stage]}.values())
+        return self._leaves[stage]
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """Each parameter with its summed gradient, letting go of it here (so autograd can

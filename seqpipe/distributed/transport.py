@@ -84,6 +84,12 @@ class _Posted:
     work: dist.Work
 
 
+def _last_spec(seen: Dict[Tuple[int, Kind, int, int], Spec], peer: int,
+               planned: Optional["Planned"]) -> Spec:
+    """The payload this planned message had in the previous call (none if unplanned)."""
+    return seen.get((peer, *planned.identity), ()) if planned else ()
+
+
 class Transport:
     """Sends and receives stage messages on ``group`` (stage index = rank in the group).
 
@@ -158,14 +164,14 @@ class Transport:
         """Post the receive of the next message from ``src``, sized for what is expected."""
         queue = self._incoming[src]
         planned = queue.popleft() if queue else None
-        spec = self._seen_in.get((src, *planned.identity), ()) if planned else ()
+        spec = _last_spec(self._seen_in, src, planned)
         buffer = torch.empty(HEADER_BYTES + nbytes(spec), dtype=torch.uint8,
                              device=self.device)
         self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
 
     def _expected_by(self, dst: int, planned: Optional["Planned"]) -> Spec:
         """The payload ``dst`` has posted (or will post) a receive for, for this message."""
-        return self._seen_out.get((dst, *planned.identity), ()) if planned else ()
+        return _last_spec(self._seen_out, dst, planned)
 
     # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
@@ -243,16 +249,11 @@ class Transport:
     # -- releasing sends ---------------------------------------------------------------
     def _release(self, dst: int, before: int) -> None:
         """Drop sends to ``dst`` that it has taken: needed before its action ``before``."""
-        pending = self._pending[dst]
-        if not any(taken_at < before for taken_at, _, _ in pending):
-            return
-        keep: List[_Sent] = []
-        for entry in pending:
-            if entry[0] < before:
-                self._complete(entry[1], dst)
-            else:
-                keep.append(entry)
-        self._pending[dst] = keep
+        taken = [entry for entry in self._pending[dst] if entry[0] < before]
+        for _, work, _ in taken:
+            self._complete(work, dst)
+        if taken:
+            self._pending[dst] = [entry for entry in self._pending[dst] if entry[0] >= before]
 
     def _complete(self, work: dist.Work, stage: int) -> None:
         try:
