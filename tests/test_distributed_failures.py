@@ -104,8 +104,11 @@ def _killed(rank: int, world: int) -> None:
     started = time.monotonic()
     with pytest.raises(PeerError) as info:
         _step(pipe, rank, world)
-    assert "lost stage 1" in str(info.value) and f"stage {rank}" in str(info.value)
-    assert "micro-batch" in str(info.value)
+    text = str(info.value)
+    assert "lost stage 1" in text and f"stage {rank}" in text, text
+    # The action is named: a micro-batch's, or the opening of the step when this rank's
+    # first send to the dead rank already fails (a race with its exit, not a defect).
+    assert "micro-batch" in text or "start of the step" in text, text
     assert time.monotonic() - started < 20  # the connection drops: well inside the timeout
     os._exit(0)  # the group lost a member; skip the collective teardown
 
