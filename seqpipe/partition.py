@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
+from seqpipe.arguments import layer_counts
+
 __all__ = ["Device", "check_balance", "verify_module", "split_by_balance", "split_by_placement",
            "layer_device", "default_devices"]
 
@@ -51,18 +53,7 @@ def default_devices(count: int) -> List[torch.device]:
 
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> List[int]:
     """Validate layer counts per partition against ``module``."""
-    balance = list(balance)
-    if not balance:
-        raise ValueError("balance is empty; give the number of layers of each partition")
-    if any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in balance):
-        raise ValueError(
-            f"every entry of balance must be a positive int, got {balance}; "
-            f"each partition needs at least one layer")
-    if sum(balance) != len(module):
-        raise ValueError(
-            f"balance {balance} sums to {sum(balance)} but the module has {len(module)} "
-            f"layers; the entries must add up to {len(module)}")
-    return balance
+    return layer_counts(balance, len(module))
 
 
 def split_by_balance(module: nn.Sequential, balance: Sequence[int],

@@ -6,6 +6,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from seqpipe.arguments import check_chunks
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.microbatch import Batch, TensorOrTensors, check_input, gather, scatter
@@ -15,16 +16,6 @@ from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
 
 __all__ = ["Pipe"]
-
-
-def check_chunks(chunks: object) -> int:
-    """Validate a ``chunks`` argument (shared with ``DistributedPipe``)."""
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
-        raise ValueError(f"chunks must be a positive int (the number of micro-batches), "
-                         f"got {chunks!r}")
-    return chunks
-
-
 
 
 class _PipeFunction(torch.autograd.Function):

@@ -78,7 +78,8 @@ def _injected(rank: int, world: int) -> None:
     with pytest.raises(Exception) as info:
         _step(pipe, rank, world, _vector_loss)
     if rank == world - 1:
-        assert isinstance(info.value, TypeError) and "scalar" in str(info.value)
+        assert isinstance(info.value, TypeError), repr(info.value)
+        assert "scalar tensor" in str(info.value) and "shape (2, 4)" in str(info.value)
     else:
         assert isinstance(info.value, PeerError)
         assert "loss_fn must return a scalar tensor" in str(info.value)

@@ -309,3 +309,27 @@ def test_lazy_modules_must_be_initialized_first():
     pipe = Pipe(model, chunks=2, balance=[2, 1], devices=["cpu", "cpu"])
     pipe(torch.randn(4, 3)).sum().backward()
     assert all(p.grad is not None for p in pipe.parameters())
+
+
+def test_counts_accept_index_types():
+    """numpy integers (from a config file, say) are counts like Python ints."""
+    np = pytest.importorskip("numpy")
+    pipe = Pipe(mlp(), chunks=np.int64(2), balance=[np.int64(2), np.int32(1)],
+                devices=["cpu", "cpu"])
+    assert (pipe.chunks, pipe.balance) == (2, [2, 1])
+    assert type(pipe.chunks) is int and all(type(b) is int for b in pipe.balance)
+    x = torch.randn(4, 3)
+    assert torch.allclose(pipe(x), nn.Sequential(*pipe)(x))
+    from seqpipe.balance import balance_by_params
+    assert balance_by_params(np.int64(2), mlp()) == balance_by_params(2, mlp())
+
+
+def test_balance_that_is_not_a_sequence():
+    with pytest.raises(TypeError, match=r"balance must be a sequence of layer counts, one per "
+                                        r"partition, got 5; .*balance_by_params"):
+        Pipe(mlp(), balance=5)
+
+
+def test_bad_balance_entry_is_named():
+    with pytest.raises(ValueError, match=r"entry 1 of \[2, 1\.0\] is 1\.0"):
+        cpu_pipe(mlp(), [2, 1.0])

@@ -680,13 +680,16 @@ def test_layout_order_is_identical_across_processes() -> None:
 def test_layout_checks_model_and_balance() -> None:
     with pytest.raises(TypeError, match="never popped"):
         inspect_skip_layout(nn.Sequential(stasher("a")), [1])
-    with pytest.raises(ValueError, match="covers 7 layers but the model has 8"):
+    # The same checks, and messages, as Pipe's (seqpipe.arguments.layer_counts).
+    with pytest.raises(ValueError, match="sums to 7 but the module has 8 layers"):
         inspect_skip_layout(layout_model(), [4, 3])
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="positive int.* entry 1 of \\[8, 0\\] is 0"):
         inspect_skip_layout(layout_model(), [8, 0])
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="balance is empty"):
         inspect_skip_layout(layout_model(), [])
-    with pytest.raises(TypeError, match="sequence of ints"):
+    with pytest.raises(ValueError, match="positive int.* entry 0 of \\[4.0, 4.0\\] is 4.0"):
         inspect_skip_layout(layout_model(), [4.0, 4.0])
+    with pytest.raises(TypeError, match="sequence of layer counts"):
+        inspect_skip_layout(layout_model(), 8)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected nn.Sequential"):
         inspect_skip_layout(nn.ModuleList(), [1])  # type: ignore[arg-type]

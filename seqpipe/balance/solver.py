@@ -22,6 +22,8 @@ import math
 from collections.abc import Sequence
 from itertools import accumulate
 
+from seqpipe.arguments import integer
+
 __all__ = ["check_partitions", "solve"]
 
 Score = tuple[float, int]
@@ -36,21 +38,25 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
     docstring describes.
     """
     checked = _check_costs(costs)
-    check_partitions(partitions, len(checked))
+    partitions = check_partitions(partitions, len(checked))
     prefix = list(accumulate(checked, initial=0))
     return _most_even(prefix, partitions, _bottleneck(prefix, partitions))
 
 
-def check_partitions(partitions: int, layers: int) -> None:
-    """Raise unless ``layers`` layers can be cut into ``partitions`` non-empty partitions."""
-    if not isinstance(partitions, int) or isinstance(partitions, bool):
+def check_partitions(partitions: int, layers: int) -> int:
+    """``partitions`` as an int, if ``layers`` layers can be cut into that many non-empty
+    partitions; else ``TypeError``/``ValueError``."""
+    count = integer(partitions)
+    if count is None:
         raise TypeError(f"partitions must be an int, got {type(partitions).__name__}")
+    partitions = count
     if partitions < 1:
         raise ValueError(f"partitions must be at least 1, got {partitions}")
     if partitions > layers:
         raise ValueError(
             f"cannot split {layers} layers into {partitions} non-empty partitions; use at "
             f"most {layers} partitions, or split the model into more layers")
+    return partitions
 
 
 def _check_costs(costs: Sequence[float]) -> list[float]:

@@ -143,8 +143,10 @@ class Call:
         with torch.enable_grad():
             loss = loss_fn(outputs.value, target)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError(f"loss_fn must return a scalar tensor, got "
-                                f"{type(loss).__name__}{getattr(loss, 'shape', '')}")
+                got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
+                       else type(loss).__name__)
+                raise TypeError(f"loss_fn must return a scalar tensor (one number, e.g. a "
+                                f"mean-reduced loss), got {got}")
             scaled = loss.reshape(()) * weight
         self.losses.append(scaled.detach())
         return scaled

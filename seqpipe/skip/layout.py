@@ -16,15 +16,15 @@ the layout in the process that queries it, and compare layouts across processes 
 """
 from __future__ import annotations
 
-import operator
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from types import MappingProxyType
 
 from torch import nn
 
+from seqpipe.arguments import layer_counts
 from seqpipe.skip.namespace import Namespace
 from seqpipe.skip.skippable import iter_pops, iter_stashes
 from seqpipe.skip.verify import verify_skippables
@@ -149,7 +149,7 @@ class SkipLayout:
 def inspect_skip_layout(module: nn.Sequential, balance: Sequence[int]) -> SkipLayout:
     """Verify ``module``'s skips and place them in the partitions ``balance`` describes."""
     verify_skippables(module)
-    counts = _check_balance(balance, len(module))
+    counts = tuple(layer_counts(balance, len(module)))
     bounds = list(accumulate(counts))  # layer i lies in partition bisect_right(bounds, i)
     pops = {(site.ns, site.name): site.index for site in iter_pops(module)}
     skips = [_skip(site.ns, site.name, site.index, pops[(site.ns, site.name)], bounds)
@@ -161,17 +161,3 @@ def _skip(ns: Namespace, name: str, stash_layer: int, pop_layer: int,
           bounds: list[int]) -> Skip:
     return Skip(ns, name, stash_layer, pop_layer,
                 bisect_right(bounds, stash_layer), bisect_right(bounds, pop_layer))
-
-
-def _check_balance(balance: Iterable[int], num_layers: int) -> tuple[int, ...]:
-    """``balance`` as a tuple of positive ints summing to ``num_layers``, or ValueError."""
-    try:
-        counts = tuple(operator.index(count) for count in balance)
-    except TypeError:
-        raise TypeError(f"balance must be a sequence of ints, got {balance!r}") from None
-    if not counts or any(count <= 0 for count in counts):
-        raise ValueError(f"balance must be a non-empty list of positive ints, got {list(counts)}")
-    if sum(counts) != num_layers:
-        raise ValueError(f"balance {list(counts)} covers {sum(counts)} layers but the model "
-                         f"has {num_layers}")
-    return counts
