@@ -360,6 +360,19 @@ def test_pop_before_stash_at_run_time() -> None:
         Up()(torch.ones(1, FEATURES))
 
 
+def test_double_stash_without_namespaces_says_so() -> None:
+    """Two Down/Up pairs sharing one name, unwrapped: the second pop finds nothing, and the
+    message says why (the name is stashed twice), not that it was never stashed."""
+    model = nn.Sequential(Down(), Down(), Up(), Up())
+    with pytest.raises(RuntimeError, match=r"skip 'skip' is stashed by more than one layer.*"
+                                           r"isolate\(Namespace\(\)\).*verify_skippables"):
+        model(torch.ones(1, FEATURES))
+    ns1, ns2 = Namespace(), Namespace()
+    isolated = nn.Sequential(Down().isolate(ns1), Down().isolate(ns2), Up().isolate(ns2),
+                             Up().isolate(ns1))
+    assert isolated(torch.ones(1, FEATURES)).shape == (1, FEATURES)
+
+
 def test_stash_and_pop_argument_checks() -> None:
     with pytest.raises(TypeError, match="Tensor or None"):
         stash("x", [1, 2])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Set, Tuple
 
 from torch import Tensor
 
@@ -32,9 +32,12 @@ class SkipTracker:
 
     def __init__(self) -> None:
         self.tensors: Dict[SkipKey, Optional[Tensor]] = {}
+        self.restashed: Set[SkipKey] = set()  # stashed again before being popped
 
     def stash(self, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         """Keep ``tensor`` under ``(ns, name)`` until a later layer pops it."""
+        if (ns, name) in self.tensors:
+            self.restashed.add((ns, name))
         self.tensors[(ns, name)] = tensor
 
     def pop(self, ns: Namespace, name: str) -> Optional[Tensor]:
@@ -42,6 +45,13 @@ class SkipTracker:
         try:
             return self.tensors.pop((ns, name))
         except KeyError:
+            if (ns, name) in self.restashed:
+                raise RuntimeError(
+                    f"skip '{name}' is stashed by more than one layer (a second stash "
+                    f"replaced the first before it was popped), so this pop finds nothing "
+                    f"left; give each repeated block its own namespace with "
+                    f"layer.isolate(Namespace()), and run seqpipe.skip.verify_skippables("
+                    f"model) to list the layers") from None
             raise RuntimeError(
                 f"skip '{name}' was popped before it was stashed; a layer that stashes "
                 f"'{name}' must run before the layer that pops it") from None
