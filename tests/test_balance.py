@@ -331,3 +331,53 @@ def test_partitions_are_checked_before_the_sample() -> None:
 def test_sample_and_option_errors(call: Callable[[], object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         call()
+
+
+class _ModeRecorder(nn.Module):
+    """Records, in a list shared by its deep copies, the mode each forward ran in."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.seen = seen
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.training)
+        return self.lin(x)
+
+    def __deepcopy__(self, memo: dict) -> "_ModeRecorder":
+        twin = _ModeRecorder(self.seen)
+        twin.load_state_dict(self.state_dict())
+        twin.train(self.training)
+        return twin
+
+
+@pytest.mark.parametrize("helper", ["time", "size"])
+def test_profiling_runs_layers_in_training_mode(helper: str) -> None:
+    """A balance is for training: dropout and BatchNorm are profiled as they will run,
+    even when the model is in eval mode now; the model's own mode is left as it was."""
+    seen: list = []
+    model = nn.Sequential(_ModeRecorder(seen), nn.Dropout(0.5), _ModeRecorder(seen)).eval()
+    sample = torch.randn(8, 4)
+    if helper == "time":
+        balance_by_time(2, model, sample, timeout=0.01)
+    else:
+        balance_by_size(2, model, sample)
+    assert seen and all(seen), seen
+    assert not any(layer.training for layer in model.modules())
+
+
+class _Broken(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ArithmeticError("broken layer")
+
+
+@pytest.mark.parametrize("helper", ["time", "size"])
+def test_profiling_errors_name_the_layer(helper: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), _Broken())
+    with pytest.raises(ArithmeticError, match="broken layer") as info:
+        if helper == "time":
+            balance_by_time(2, model, torch.randn(8, 4), timeout=0.01)
+        else:
+            balance_by_size(2, model, torch.randn(8, 4))
+    assert "raised by layer 2 (_Broken) while profiling" in " ".join(info.value.__notes__)

@@ -54,8 +54,16 @@ def layer_input(batch: Batch) -> Batch:
 
 
 def run_layer(index: int, layer: nn.Module, batch: Batch) -> Batch:
-    """Call ``layer`` the way the pipeline would, and wrap what it returns."""
-    output = layer(batch.value)
+    """Call ``layer`` the way the pipeline would, and wrap what it returns.
+
+    An error the layer raises keeps its type and gains a note naming the layer.
+    """
+    try:
+        output = layer(batch.value)
+    except Exception as exc:
+        exc.add_note(f"seqpipe: raised by layer {index} ({type(layer).__name__}) while "
+                     f"profiling it for a balance")
+        raise
     try:
         return Batch.of(output)
     except TypeError as exc:

@@ -50,9 +50,13 @@ def skip_scope() -> Iterator[None]:
 
 
 def layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[tuple[int, nn.Module]]:
-    """``(index, copy of layer index on device)``, one copy at a time."""
+    """``(index, copy of layer index on device)``, one copy at a time, in training mode.
+
+    A balance is chosen for training, so dropout and BatchNorm run as they will there,
+    whatever mode the model is in now (the model itself is not touched).
+    """
     for index, layer in enumerate(module):
-        yield index, copy.deepcopy(layer).to(device)
+        yield index, copy.deepcopy(layer).to(device).train()
 
 
 def synchronize(device: torch.device) -> None:
