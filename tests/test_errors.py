@@ -333,3 +333,11 @@ def test_balance_that_is_not_a_sequence():
 def test_bad_balance_entry_is_named():
     with pytest.raises(ValueError, match=r"entry 1 of \[2, 1\.0\] is 1\.0"):
         cpu_pipe(mlp(), [2, 1.0])
+
+
+def test_more_devices_than_partitions_uses_the_first():
+    """As torchgpipe: extra devices are not an error; pipe.devices lists the ones used."""
+    pipe = Pipe(mlp(), balance=[2, 1], devices=["cpu", "cpu", "meta"])
+    assert pipe.devices == [torch.device("cpu")] * 2
+    x = torch.randn(4, 3)
+    assert torch.allclose(pipe(x), nn.Sequential(*pipe)(x))
