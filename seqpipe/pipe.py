@@ -1,6 +1,7 @@
 """``Pipe``: an ``nn.Sequential`` split over devices and run as a micro-batch pipeline."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -159,9 +160,25 @@ class Pipe(nn.Module):
             raise _moving_error()
         return super().to(*args, **kwargs)
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compile every layer in place (``nn.Module.compile`` with these arguments).
+
+        The pipeline itself — threads handing micro-batches between stages — is not
+        something ``torch.compile`` can trace; its layers are, and compiling them in place
+        keeps the layer objects and the ``state_dict`` keys.
+        """
+        for layer in self:
+            layer.compile(*args, **kwargs)
+
     # -- running -----------------------------------------------------------------------
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Run the mini-batch through the pipeline; the output is on the last device."""
+        if torch.compiler.is_compiling():
+            warnings.warn(_COMPILE_WARNING, stacklevel=2)
+        return self._run(input)
+
+    @torch.compiler.disable
+    def _run(self, input: TensorOrTensors) -> TensorOrTensors:
         check_input(input)
         batch = Batch.of(input)
         params = [p for p in self.parameters() if p.requires_grad]
@@ -176,6 +193,13 @@ class Pipe(nn.Module):
 
     def extra_repr(self) -> str:
         return f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+
+
+_COMPILE_WARNING = (
+    "torch.compile(pipe) runs the Pipe as it is, uncompiled: its stages run on worker "
+    "threads, which torch.compile cannot trace. Call pipe.compile() instead (or compile the "
+    "layers before wrapping, with layer.compile()): it compiles every layer in place and "
+    "keeps the state_dict keys")
 
 
 def _moving_error() -> RuntimeError:

@@ -476,3 +476,41 @@ def test_state_dict_loads_from_plain_into_pipelined(make):
     plain.eval(), pipe.eval()
     x = torch.randn(5, 4 if make is named_model else 5, dtype=torch.float64)
     assert_close(pipe(x), plain(x))
+
+
+def _compile_case() -> tuple:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    plain(x).square().sum().backward()
+    pipe = Pipe(model, chunks=3, balance=[3, 2], devices=["cpu", "cpu"])
+    return pipe, plain, x
+
+
+def _assert_matches_plain(pipe: Pipe, plain: nn.Sequential, out: torch.Tensor,
+                          x: torch.Tensor) -> None:
+    assert torch.allclose(out, plain(x), atol=1e-6)
+    out.square().sum().backward()
+    for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+
+
+def test_pipe_compile_compiles_layers_in_place() -> None:
+    pipe, plain, x = _compile_case()
+    keys = list(pipe.state_dict())
+    layers = list(pipe)
+    pipe.compile(backend="eager")
+    assert list(pipe) == layers and list(pipe.state_dict()) == keys
+    assert all(layer._compiled_call_impl is not None for layer in pipe)
+    _assert_matches_plain(pipe, plain, pipe(x), x)
+
+
+def test_torch_compile_of_a_pipe_runs_it_uncompiled_and_says_so() -> None:
+    pipe, plain, x = _compile_case()
+    compiled = torch.compile(pipe, backend="eager")
+    with pytest.warns(UserWarning, match=r"torch.compile\(pipe\) runs the Pipe as it is.*"
+                                         r"pipe.compile\(\)"):
+        out = compiled(x)
+    _assert_matches_plain(pipe, plain, out, x)
