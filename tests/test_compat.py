@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 from typing import Any, Dict, List
 
 import pytest
@@ -157,9 +158,9 @@ def test_torchgpipe_and_the_stand_in_train_alike() -> None:
 def test_torchgpipe_names_are_seqpipes() -> None:
     assert torchgpipe.is_checkpointing is seqpipe.is_checkpointing
     assert torchgpipe.is_recomputing is seqpipe.is_recomputing
-    assert torchgpipe.skip.skippable is seqpipe.skip.skippable
+    assert torchgpipe.skip.stash is seqpipe.skip.stash
     assert torchgpipe.skip.Namespace is seqpipe.skip.Namespace
-    assert torchgpipe.batchnorm.DeferredBatchNorm is seqpipe.batchnorm.DeferredBatchNorm
+    assert issubclass(torchgpipe.batchnorm.DeferredBatchNorm, seqpipe.batchnorm.DeferredBatchNorm)
     assert issubclass(GPipe, seqpipe.Pipe)
     assert set(torchgpipe.skip.__all__) == {"skippable", "stash", "pop", "verify_skippables",
                                             "Namespace"}
@@ -203,13 +204,33 @@ def test_gpipe_refuses_moves_with_a_type_error_and_allows_dtype() -> None:
     assert pipe.to(torch.float32) is pipe and pipe[0].weight.dtype == torch.float32
 
 
-def test_gpipe_state_dict_is_the_models() -> None:
+def _plain_keys(state: Dict[str, Any]) -> Dict[str, Any]:
+    """torchgpipe keys with the ``partitions.<j>.`` prefix dropped: the model's own keys."""
+    return {re.sub(r"^partitions\.\d+\.", "", key): value for key, value in state.items()}
+
+
+def test_gpipe_module_structure_and_keys_are_torchgpipes() -> None:
     model = _mlp()
-    keys = list(model.state_dict())
+    layers = list(model)
     pipe = GPipe(model, [2, 3], devices=["cpu"] * 2)
-    assert list(pipe.state_dict()) == keys
+    assert [name for name, _ in pipe.named_children()] == ["partitions"]
+    assert isinstance(pipe.partitions, nn.ModuleList)
+    assert [list(p._modules) for p in pipe.partitions] == [["0", "1"], ["2", "3", "4"]]
+    assert list(pipe) == layers and len(pipe) == 5 and pipe[-1] is layers[-1]
+    assert list(pipe.state_dict()) == [
+        "partitions.0.0.weight", "partitions.0.0.bias", "partitions.1.2.weight",
+        "partitions.1.2.bias", "partitions.1.4.weight", "partitions.1.4.bias"]
     plain = _mlp()
-    plain.load_state_dict(pipe.state_dict())
+    plain.load_state_dict(_plain_keys(pipe.state_dict()))
+    with torch.no_grad():
+        for param in plain.parameters():
+            param.add_(1.0)
+    assert not pipe.load_state_dict(plain.state_dict(), strict=True).missing_keys  # plain keys
+    for key, value in plain.state_dict().items():
+        assert_close(_plain_keys(pipe.state_dict())[key], value, msg=key)
+    again = GPipe(_mlp(), [3, 2], devices=["cpu"] * 2)  # another balance: its own keys
+    again.load_state_dict(pipe.state_dict(), strict=True)
+    assert_close(again[4].weight, plain[4].weight)
 
 
 def _skip_model(skip: Any) -> nn.Sequential:
@@ -271,7 +292,7 @@ def test_gpipe_loads_a_torchgpipe_checkpoint_saved_with_another_balance() -> Non
     result = pipe.load_state_dict(saved, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     for key, value in source.state_dict().items():
-        assert_close(pipe.state_dict()[key], value, msg=key)
+        assert_close(_plain_keys(pipe.state_dict())[key], value, msg=key)
 
 
 def test_legacy_loading_leaves_other_keys_to_strict() -> None:
@@ -379,7 +400,7 @@ def test_torch_pipe_names() -> None:
     assert torch_pipe.is_checkpointing is seqpipe.is_checkpointing
     assert torch_pipe.is_recomputing is seqpipe.is_recomputing
     assert torch_pipe.skip.stash is seqpipe.skip.stash
-    assert torch_pipe.skip.verify_skippables is seqpipe.skip.verify_skippables
+    assert torch_pipe.skip.pop is seqpipe.skip.pop
     assert torch_pipe.pipe.Pipe is Pipe  # `from ...sync.pipe import WithDevice` works too
     assert issubclass(Pipe, seqpipe.Pipe)
 
@@ -440,11 +461,16 @@ def test_with_device_keeps_the_models_keys_and_moves_its_module() -> None:
     assert keys == ["0.weight", "0.bias", "1._module.weight", "1._module.bias"]
     reference = copy.deepcopy(model)
     pipe = Pipe(model, chunks=2)
-    assert list(pipe.state_dict()) == keys
-    assert pipe[1].module is inner and pipe[1].device == torch.device("cpu")
+    # torch's keys: every CPU layer its own partition, WithDevice unwrapped.
+    assert list(pipe.state_dict()) == ["partitions.0.0.weight", "partitions.0.0.bias",
+                                       "partitions.1.0.weight", "partitions.1.0.bias"]
+    assert pipe[1] is inner and len(pipe) == 3 and inner.weight.device == torch.device("cpu")
     x = torch.randn(6, 4, dtype=torch.float64)
     assert_close(pipe(x).local_value(), reference(x))
-    reference.load_state_dict(pipe.state_dict())
+    with torch.no_grad():
+        reference[1].module.weight.mul_(2.0)
+    pipe.load_state_dict(reference.state_dict(), strict=True)  # the model's own keys load
+    assert_close(inner.weight, reference[1].module.weight)
 
 
 def test_with_device_may_wrap_a_skippable_or_a_sequential() -> None:
@@ -487,11 +513,11 @@ def test_nested_sequentials_are_looked_into_and_keep_their_keys() -> None:
     """A skip crossing two nested Sequentials works, as with torch's flattening Pipe."""
     script = run_script(TORCH_PIPE_SCRIPT.format(pkg="seqpipe.compat.torch_pipe"), "nested")
     model = script["build"]()
-    keys = list(model.state_dict())
-    assert "1.1.weight" in keys
+    assert "1.1.weight" in model.state_dict()
     pipe = Pipe(model, chunks=2)
-    assert list(pipe.state_dict()) == keys and len(pipe) == 5
-    assert sum(pipe.balance) == 7  # the block's three layers counted one by one
+    assert "partitions.1.1.weight" in pipe.state_dict()  # torch flattened the block
+    assert len(pipe) == 7 and sum(pipe.balance) == 7  # its three layers counted one by one
+    assert [len(p) for p in pipe.partitions] == [1, 3, 1, 1, 1]
 
 
 def test_a_sequential_with_its_own_forward_runs_as_one_layer() -> None:
@@ -531,10 +557,12 @@ def test_pipe_loads_a_torch_pipe_checkpoint() -> None:
     with torch.no_grad():
         for param in source.parameters():
             param.mul_(-3.0)
-    pipe = Pipe(script["build"](), chunks=2)
+    model = script["build"]()
+    pipe = Pipe(model, chunks=2)
     pipe.load_state_dict(_torch_pipe_checkpoint(source), strict=True)
     for key, value in source.state_dict().items():
-        assert_close(pipe.state_dict()[key], value, msg=key)
+        assert_close(model.state_dict()[key], value, msg=key)
+    assert list(pipe.state_dict()) == list(_torch_pipe_checkpoint(source))
 
 
 def test_torch_prefixes_follow_torchs_split() -> None:

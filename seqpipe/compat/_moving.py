@@ -1,8 +1,11 @@
-"""Refusing to move a pipeline with the exception type the peers raised.
+"""Refusing to move a pipeline the way the peers did: same test, same exception type.
 
 seqpipe's ``Pipe`` raises ``RuntimeError`` on ``.cuda()``, ``.cpu()`` and ``.to(device)``;
-torchgpipe and torch's ``Pipe`` raised ``TypeError``. The compat classes raise
-:class:`MovingDenied`, which is both, so an ``except`` written for either still catches it.
+torchgpipe and torch's ``Pipe`` raised ``TypeError("denied to move parameters and buffers,
+...")``. The compat classes raise :class:`MovingDenied`, which is both, so an ``except``
+written for either still catches it. What counts as a move is decided as the peers did —
+from the arguments' types, before anything is parsed — so ``model.to(0)`` is refused the same
+way on a machine without CUDA (where parsing ``0`` as a device would fail first).
 """
 from __future__ import annotations
 
@@ -19,16 +22,26 @@ class MovingDenied(TypeError, RuntimeError):
 
 
 def _denied(pipe: nn.Module) -> MovingDenied:
+    name = getattr(pipe, "peer_name", type(pipe).__name__)
     hint = getattr(pipe, "placement_hint", DenyMoving.placement_hint)
     return MovingDenied(
-        f"a {type(pipe).__name__} keeps each partition on its device; moving the whole "
-        f"pipeline would undo that. Instead, {hint} (dtype changes with .to(dtype) are fine)")
+        f"denied to move parameters and buffers, because {name} should manage device "
+        f"placement; {hint} (dtype changes with .to(dtype) are fine)")
+
+
+def is_move(*args: Any, **kwargs: Any) -> bool:
+    """Whether ``Module.to(*args, **kwargs)`` names a device (or a tensor to follow)."""
+    if "device" in kwargs or "tensor" in kwargs:
+        return True
+    return bool(args) and (isinstance(args[0], (torch.device, int, str))
+                           or torch.is_tensor(args[0]))
 
 
 class DenyMoving(nn.Module):
     """Mixin, placed before ``seqpipe.Pipe`` in the bases, that refuses device moves.
 
-    A class may set ``placement_hint`` to tell the user how devices are chosen for it.
+    A class may set ``placement_hint`` to tell the user how devices are chosen for it, and
+    ``peer_name`` to the class name the peer's message used.
     """
 
     placement_hint: str = "choose the devices when wrapping the model"
@@ -40,7 +53,6 @@ class DenyMoving(nn.Module):
         raise _denied(self)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
-        device, *_ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
+        if is_move(*args, **kwargs):
             raise _denied(self)
         return super().to(*args, **kwargs)

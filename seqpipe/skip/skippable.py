@@ -70,11 +70,18 @@ def skippable(
 
     Returns the same class, patched in place (see the module docstring).
     """
+    return decorator(stash, pop, require_forward=True)
+
+
+def decorator(stash: Iterable[str], pop: Iterable[str], *,
+              require_forward: bool) -> Callable[[ModuleClass], ModuleClass]:
+    """``skippable(stash, pop)``; without ``require_forward``, a class with no ``forward``
+    is accepted (calling it raises ``nn.Module``'s own error), as the peers allowed."""
     stashable = _name_set(stash, "stash")
     poppable = _name_set(pop, "pop")
 
     def decorate(cls: ModuleClass) -> ModuleClass:
-        _check_decoratable(cls)
+        _check_decoratable(cls, require_forward)
         added = {"forward": _make_driver(_user_forward(cls)), "stashable_names": stashable,
                  "poppable_names": poppable, "isolate": isolate, "namespaced": namespaced,
                  _MARKER: True}
@@ -99,11 +106,11 @@ def _name_set(names: Any, param: str) -> frozenset[str]:
     return result
 
 
-def _check_decoratable(cls: Any) -> None:
+def _check_decoratable(cls: Any, require_forward: bool = True) -> None:
     """Refuse non-modules, modules without a forward, and attribute clashes."""
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"@skippable decorates nn.Module subclasses, not {cls!r}")
-    if cls.forward is nn.Module.forward:
+    if require_forward and cls.forward is nn.Module.forward:
         raise TypeError(f"@skippable class {cls.__qualname__} must define forward()")
     for attr in _ADDED_ATTRS:
         owner = next((base for base in cls.__mro__ if attr in base.__dict__), None)

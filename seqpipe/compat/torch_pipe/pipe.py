@@ -11,15 +11,16 @@ device changes, and returned an ``RRef`` to the output. This ``Pipe`` does the s
   nobody wanted);
 * an ``nn.Sequential`` child is looked into, as torch did: its layers are placed one by one,
   and skip connections may cross from one nested ``nn.Sequential`` to another;
-* consecutive layers on one device form one partition (torch gave each CPU layer its own).
+* consecutive layers on one device run as one partition (torch gave each CPU layer its own).
 
-The user's model is not restructured: ``state_dict()`` keys are exactly the wrapped
-``nn.Sequential``'s (torch saved ``"partitions.<i>.<j>."`` keys; ``load_state_dict`` accepts
-those too), and ``len``, indexing and iteration go over its top-level children.
+What a user sees of the structure is torch's: ``partitions`` is an ``nn.ModuleList`` grouped
+exactly as torch grouped it (nested ``nn.Sequential``s and ``WithDevice`` wrappers flattened,
+layers renumbered from 0 in each partition), so ``state_dict()`` keys are torch's
+``"partitions.<i>.<j>."`` keys, and ``len``, indexing and iteration go over those layers.
+``load_state_dict`` also takes the wrapped ``nn.Sequential``'s own keys.
 """
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,8 +29,10 @@ import torch
 from torch import nn
 
 from seqpipe.compat._legacy import LegacyKeys
-from seqpipe.compat._moving import DenyMoving
+from seqpipe.compat._peer import PeerPipe, peer_arguments, verify_peer_module
+from seqpipe.compat._skip import verify_skippables
 from seqpipe.compat.torch_pipe.rref import LocalRRef
+from seqpipe.compat.torchgpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.microbatch import TensorOrTensors
 from seqpipe.partition import Device, layer_device, verify_module
 from seqpipe.pipe import Pipe as _SeqPipe
@@ -103,55 +106,61 @@ class _Leaf:
     pinned: Optional[torch.device]  # from a WithDevice around it (or around its Sequential)
 
 
-class Pipe(DenyMoving, _SeqPipe):
+class Pipe(PeerPipe, _SeqPipe):
     """``seqpipe.Pipe`` with the API of the removed ``torch.distributed.pipeline.sync.Pipe``.
 
     ``Pipe(module, chunks=1, checkpoint='except_last', deferred_batch_norm=False)`` takes an
     ``nn.Sequential`` whose layers are already on their devices, partitions it where the
     device changes (see the module docstring for the rules) and returns, from ``forward``,
     a :class:`~seqpipe.compat.torch_pipe.rref.LocalRRef` to the output: read it with
-    ``.local_value()`` or ``.to_here()``. No ``torch.distributed.rpc.init_rpc`` is needed;
-    code that calls it may keep doing so.
+    ``.local_value()`` or ``.to_here()``, or call ``.backward()`` on a scalar one. No
+    ``torch.distributed.rpc.init_rpc`` is needed; code that calls it may keep doing so.
 
-    Attributes ``partitions``, ``devices``, ``chunks`` and ``checkpoint`` are as in torch
-    (``partitions`` is a list, not a registered ``nn.ModuleList``); ``balance`` (layers per
-    partition) is seqpipe's. ``.cuda()``, ``.cpu()`` and ``.to(device)`` raise a
-    ``TypeError`` as in torch. Unlike torch's, it works under ``DistributedDataParallel``
-    with every checkpoint mode.
+    ``partitions`` (an ``nn.ModuleList``, torch's grouping), ``devices``, ``chunks`` and
+    ``checkpoint`` are as in torch; ``balance`` (layers per partition as seqpipe runs them)
+    is seqpipe's. ``.cuda()``, ``.cpu()`` and ``.to(device)`` raise a ``TypeError`` as in
+    torch. Unlike torch's, it works under ``DistributedDataParallel`` with every checkpoint
+    mode.
     """
 
     placement_hint = "place the layers (or wrap them in WithDevice) before wrapping the model"
+    peer_name = "Pipe"
 
     def __init__(self, module: nn.Sequential, chunks: int = 1, checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False) -> None:
+        chunks, checkpoint = peer_arguments(chunks, checkpoint)
+        verify_peer_module(module)
+        if not len(module):
+            self._init_empty(chunks, checkpoint)
+            return
         verify_module(module)
         prefixes = _torch_prefixes(module)
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(module, chunks)
         leaves = _leaves(module)
         flattened = any(leaf.path not in module._modules for leaf in leaves)
         runnable = (nn.Sequential(OrderedDict((str(i), leaf.layer)
                                               for i, leaf in enumerate(leaves)))
                     if flattened else module)
+        verify_skippables(runnable)  # as torch's did, on the layers as they will run
         balance, devices = _placement(leaves)
-        super().__init__(runnable, chunks, checkpoint, deferred_batch_norm, balance=balance,
-                         devices=devices)
-        if flattened:  # register the user's own children, so state_dict keys are the model's
-            for name in runnable._modules:
-                del self._modules[name]
-            for name, child in module._modules.items():
-                self.add_module(name, child)
-        for partition in self.partitions:
+        super().__init__(runnable, chunks, checkpoint, balance=balance, devices=devices)
+        for partition in self.partitions:  # the engine's views: spread tuples as torch did
             partition.__class__ = PipeSequential
-        self.register_load_state_dict_pre_hook(LegacyKeys(_TorchPipeKeys(prefixes)))
+        self._register_partitions(_torch_groups(module, prefixes), PipeSequential)
+        self.register_load_state_dict_pre_hook(LegacyKeys(_ModelKeys(prefixes)))
 
     def forward(self, *inputs: TensorOrTensors) -> LocalRRef[TensorOrTensors]:  # type: ignore[override]
         """Run the mini-batch through the pipeline; the output is on the last device.
 
         Several inputs are passed to the first layer as positional arguments, as in torch;
-        each must be a tensor with the batch on dim 0.
+        each must be a tensor with the batch on dim 0. An empty pipe returns its input.
         """
         if not inputs:
             raise TypeError("Pipe needs at least one input tensor, with the batch on dim 0")
         value = inputs[0] if len(inputs) == 1 else tuple(inputs)
+        if not self.devices:
+            return self._empty_forward(value)
         return LocalRRef(super().forward(value))  # type: ignore[arg-type]
 
 
@@ -220,19 +229,31 @@ def _placement(leaves: List[_Leaf]) -> Tuple[List[int], List[torch.device]]:
     return balance, devices
 
 
-class _TorchPipeKeys:
-    """Renames torch ``Pipe``'s ``partitions.<i>.<j>.rest`` keys to the model's own."""
-
-    _PATTERN = re.compile(r"partitions\.\d+\.\d+\.")
+class _ModelKeys:
+    """The wrapped model's own keys -> torch ``Pipe``'s ``partitions.<i>.<j>.`` keys."""
 
     def __init__(self, prefixes: Dict[str, str]) -> None:
-        self.prefixes = prefixes
+        # Longest model prefix first, so "2._module.10." wins over "2._module.1".
+        self.prefixes = sorted(((model, ours) for ours, model in prefixes.items()),
+                               key=lambda pair: -len(pair[0]))
 
     def __call__(self, key: str) -> str:
-        match = self._PATTERN.match(key)
-        if match is None or match.group() not in self.prefixes:
-            return key
-        return self.prefixes[match.group()] + key[match.end():]
+        for model, ours in self.prefixes:
+            if key.startswith(model):
+                return ours + key[len(model):]
+        return key
+
+
+def _torch_groups(module: nn.Sequential,
+                  prefixes: Dict[str, str]) -> List[List[Tuple[str, nn.Module]]]:
+    """torch's partitions: per partition, ``(index, layer)`` in order, from ``prefixes``."""
+    groups: List[List[Tuple[str, nn.Module]]] = []
+    for ours, model in prefixes.items():
+        _, partition, index, _ = ours.split(".")
+        while len(groups) <= int(partition):
+            groups.append([])
+        groups[int(partition)].append((index, module.get_submodule(model.rstrip("."))))
+    return groups
 
 
 def _torch_prefixes(module: nn.Sequential) -> Dict[str, str]:

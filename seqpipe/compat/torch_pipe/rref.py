@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Iterable, List, Tuple, TypeVar
 
 import torch.utils._pytree as pytree
+from torch import Tensor
 
 __all__ = ["LocalRRef"]
 
@@ -44,6 +45,21 @@ class LocalRRef(Generic[T]):
     def is_owner(self) -> bool:
         """Always true: the value lives in this process."""
         return True
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Backpropagate from the referenced value, which must be a scalar tensor.
+
+        As ``RRef.backward`` without a distributed autograd context: ordinary autograd.
+        """
+        if dist_autograd_ctx_id != -1:
+            raise ValueError("LocalRRef.backward runs local autograd only (no "
+                             "torch.distributed.autograd context is needed); call "
+                             ".backward() without dist_autograd_ctx_id")
+        value = self.value
+        if not isinstance(value, Tensor):
+            raise TypeError(f"backward() needs the referenced value to be a scalar tensor, "
+                            f"got {type(value).__name__}")
+        value.backward(retain_graph=retain_graph)
 
 
 def _flatten(ref: LocalRRef[Any]) -> Tuple[List[Any], None]:
