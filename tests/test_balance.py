@@ -11,7 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time, solve
+from seqpipe.balance import (
+    balance_by_params,
+    balance_by_size,
+    balance_by_time,
+    balance_by_type,
+    balance_uniform,
+    solve,
+)
 from seqpipe.balance.profile import param_counts, profile_sizes, profile_times
 from seqpipe.pipe import Pipe
 from seqpipe.skip import pop, skippable, stash
@@ -381,3 +388,70 @@ def test_profiling_errors_name_the_layer(helper: str) -> None:
         else:
             balance_by_size(2, model, torch.randn(8, 4))
     assert "raised by layer 2 (_Broken) while profiling" in " ".join(info.value.__notes__)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _largest(counts: Sequence[int], costs: Sequence[int]) -> int:
+    parts, start = [], 0
+    for count in counts:
+        parts.append(sum(costs[start:start + count]))
+        start += count
+    return max(parts)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balance_by_type_matches_brute_force(seed: int) -> None:
+    """The matched blocks are spread as evenly as any split can: the fullest partition holds
+    the fewest blocks possible (checked against every split), and every layer is placed."""
+    rng = random.Random(seed)
+    layers = [TransformerBlock() if rng.random() < 0.6 else nn.ReLU()
+              for _ in range(rng.randint(2, 9))]
+    layers[rng.randrange(len(layers))] = TransformerBlock()  # at least one match
+    model = nn.Sequential(*layers)
+    partitions = rng.randint(1, min(4, len(layers)))
+    balance = balance_by_type(partitions, model, "transformer")
+    costs = [int(isinstance(layer, TransformerBlock)) for layer in layers]
+    assert len(balance) == partitions and sum(balance) == len(layers) and min(balance) >= 1
+    best = min(_largest(split, costs) for split in _splits(len(layers), partitions))
+    assert _largest(balance, costs) == best
+    Pipe(model, balance=balance, devices=["cpu"] * partitions)  # usable as is
+
+
+def test_balance_by_type_ignores_other_layers_and_case() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), *[TransformerBlock() for _ in range(6)],
+                          nn.LayerNorm(4), nn.Linear(4, 10))
+    balance = balance_by_type(3, model, "transformerBLOCK|nothing")
+    blocks = [int(isinstance(layer, TransformerBlock)) for layer in model]
+    per_partition = [sum(blocks[sum(balance[:j]):sum(balance[:j + 1])]) for j in range(3)]
+    assert per_partition == [2, 2, 2]
+
+
+def test_balance_by_type_with_a_pattern_that_matches_nothing() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"no layer's class name matches 'Block' \(the classes "
+                                         r"are \['Linear', 'ReLU'\]\)"):
+        balance_by_type(2, model, "Block")
+
+
+@pytest.mark.parametrize(("layers", "partitions", "expected"),
+                         [(7, 3, [3, 2, 2]), (6, 3, [2, 2, 2]), (4, 4, [1, 1, 1, 1]),
+                          (5, 1, [5])])
+def test_balance_uniform(layers: int, partitions: int, expected: list) -> None:
+    model = nn.Sequential(*[nn.ReLU() for _ in range(layers)])
+    assert balance_uniform(partitions, model) == expected
+
+
+def test_type_and_uniform_check_their_arguments() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        balance_uniform(3, model)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        balance_by_type(1, nn.ModuleList([nn.ReLU()]), "ReLU")  # type: ignore[arg-type]
