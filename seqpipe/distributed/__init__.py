@@ -1,8 +1,9 @@
 """Pipelines across processes: one stage per rank over ``torch.distributed``."""
 from __future__ import annotations
 
+from seqpipe.distributed.grad_scaler import PipeGradScaler
 from seqpipe.distributed.mesh import mesh_groups
 from seqpipe.distributed.pipe import DistributedPipe
 from seqpipe.distributed.transport import PeerError
 
-__all__ = ["DistributedPipe", "PeerError", "mesh_groups"]
+__all__ = ["DistributedPipe", "PeerError", "PipeGradScaler", "mesh_groups"]

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
+from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.mesh import reverse_group
 from seqpipe.distributed.plan import OPENING, Planned, messages
 from seqpipe.distributed.step import Call, LossFn, describe
@@ -247,7 +248,7 @@ class DistributedPipe(nn.Module):
         return loss
 
     def train_step(self, input: Optional[TensorOrTensors], target: Any,
-                   loss_fn: LossFn) -> Tensor:
+                   loss_fn: LossFn, *, scaler: Optional[PipeGradScaler] = None) -> Tensor:
         """Forward and backward one mini-batch through the whole pipeline.
 
         ``input`` is read on the first stage and ``target`` on the last (pass ``None``
@@ -255,9 +256,15 @@ class DistributedPipe(nn.Module):
         step your optimizer afterwards. Returns the mini-batch loss on every rank: the
         micro-batch losses weighted by micro-batch size, which for a mean-reduced
         ``loss_fn`` equals ``loss_fn`` on the whole batch.
+
+        With ``scaler`` (a ``PipeGradScaler`` of this pipe, on every rank), the backward is
+        that of the loss times the scaler's scale, for fp16 mixed precision: follow with
+        ``scaler.step(optimizer)`` and ``scaler.update()``. The returned loss is unscaled.
         """
+        seed = backward_seed(scaler, self)  # a wrong scaler: raised here, the pipe unharmed
         self._transport.begin()
-        call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=True)
+        call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=True,
+                    seed=seed)
         with self._dropping_statistics_on_failure():
             return self._train_step(call, input, target, loss_fn)
 

@@ -44,6 +44,7 @@ class Call:
     num_stages: int
     grad: bool
     checkpoint_stop: int = 0
+    seed: Optional[Tensor] = None  # the last stage's backward starts from it (loss scale), else 1
     inbox: Dict[Tuple[Kind, int, int], Message] = field(default_factory=dict)
     states: Dict[int, TaskState] = field(default_factory=dict)
     outputs: List[Batch] = field(default_factory=list)
@@ -155,7 +156,8 @@ class Call:
         """Run ``B(i)``: receive gradients, backpropagate into ``.grad``, send gradients back."""
         s = self.index
         if self.last:
-            grads: Tuple[Optional[Tensor], ...] = (torch.ones((), device=self.stage.device),)
+            seed = self.seed if self.seed is not None else torch.ones((), device=self.stage.device)
+            grads: Tuple[Optional[Tensor], ...] = (seed,)
         else:
             grads = self.need(s + 1, Kind.GRAD, i).tensors
         skip_grads = {skip.key: self.need(skip.pop_partition, Kind.SKIP_GRAD, i,

@@ -1,0 +1,126 @@
+"""``PipeGradScaler``: one fp16 loss scale for a whole ``DistributedPipe``.
+
+``torch.amp.GradScaler`` assumes one process owns the loss and every gradient. In a
+pipeline the loss exists only on the last stage, and each stage holds only its own
+gradients, so a plain scaler per rank goes wrong twice: ``scale(loss)`` cannot be called on
+the other stages (their ``unscale_`` then fails), and an overflow on one stage backs off
+only that stage's scale, after which the stages unscale by different factors.
+
+This scaler keeps PyTorch's algorithm and changes two things:
+
+* ``train_step(..., scaler=scaler)`` scales the loss: the last stage seeds its backward
+  with the scale instead of 1, so every stage's gradients come out multiplied by the same
+  factor, and every rank's scaler is initialised (the returned loss stays unscaled);
+* whenever gradients are checked for inf/NaN (``unscale_``, ``step``, including the
+  fused-optimizer path that skips ``unscale_``), the result is agreed, with a MAX
+  all-reduce, over the pipeline group and then the data-parallel group. Every rank then
+  skips or takes the step together, and ``update()`` computes the same new scale
+  everywhere. The same all-reduce carries the scale itself, so a rank whose scale differs
+  (``load_state_dict`` or ``update(new_scale)`` on some ranks only) is reported on every
+  rank instead of silently unscaling by a wrong factor.
+
+``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` is not the base: it
+reduces over one group, only in ``unscale_`` (a fused optimizer's ``step`` checks
+without reducing), and always allows fp16 gradients. ``GradScaler``'s own hook for
+checking gradients, ``_unscale_grads_``, sees both paths.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from seqpipe.distributed.pipe import DistributedPipe
+
+__all__ = ["PipeGradScaler", "backward_seed"]
+
+
+class PipeGradScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` whose scale and skip decisions are shared by every rank
+    of ``pipe``'s pipeline and data-parallel groups.
+
+    Build one on every rank, after the pipe, with the same arguments (checked), pass it to
+    ``pipe.train_step(..., scaler=scaler)``, then call ``scaler.step(optimizer)`` and
+    ``scaler.update()`` on every rank, for the same number of optimizers, as with
+    ``GradScaler``. The arguments after ``pipe`` are ``GradScaler``'s; the device is the
+    pipe's.
+    """
+
+    def __init__(self, pipe: "DistributedPipe", init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True) -> None:
+        super().__init__(pipe.device.type, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval,
+                         enabled=enabled)
+        self.pipeline_group = pipe.group
+        self.data_parallel_group = pipe.data_parallel_group
+        self.device = pipe.device
+        settings = torch.tensor([float(self._enabled), init_scale, growth_factor,
+                                 backoff_factor, float(growth_interval)],
+                                dtype=torch.float64, device=pipe.device)
+        _check_same(settings, self.pipeline_group, "stages")
+        if self.data_parallel_group is not None:
+            _check_same(settings, self.data_parallel_group, "replicas")
+
+    def _groups(self) -> List[Optional[dist.ProcessGroup]]:
+        groups = [self.pipeline_group]
+        if self.data_parallel_group is not None:
+            groups.append(self.data_parallel_group)
+        return groups
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor,
+                        found_inf: Tensor, allow_fp16: bool) -> Dict[torch.device, Tensor]:
+        """Check (and unscale) this rank's gradients, then agree on ``found_inf`` with
+        every other rank: one flag, on the scale's device, the same everywhere."""
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        flag = found_inf.clone()
+        for found in per_device.values():
+            flag += found.to(flag.device)
+        scale, _ = self._check_scale_growth_tracker("_unscale_grads_")
+        shared = torch.stack([flag.reshape(()), scale.reshape(()), -scale.reshape(())])
+        for group in self._groups():
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+        largest, negated = shared[1:].tolist()
+        smallest = -negated
+        if largest != smallest:
+            raise RuntimeError(
+                f"the loss scale differs across the pipeline's ranks (from {smallest} to "
+                f"{largest}), so stages would unscale by different factors; a "
+                f"PipeGradScaler must change on every rank together: call load_state_dict "
+                f"and update(new_scale) on every rank with the same value")
+        return {flag.device: shared[0].reshape(found_inf.shape)}
+
+
+def backward_seed(scaler: Optional[PipeGradScaler], pipe: "DistributedPipe") -> Optional[Tensor]:
+    """The gradient ``pipe``'s last stage starts its backward from: the loss scale (or
+    ``None``, meaning 1, without a scaler). Called on every rank, which initialises
+    every rank's scale, as ``scaler.scale(loss)`` does for a single process."""
+    if scaler is None:
+        return None
+    if not isinstance(scaler, PipeGradScaler):
+        raise TypeError(
+            f"scaler must be a seqpipe.distributed.PipeGradScaler, got "
+            f"{type(scaler).__name__}: a plain torch.amp.GradScaler can neither scale a "
+            f"loss that exists on the last stage only nor agree on overflows across "
+            f"stages; build PipeGradScaler(pipe) on every rank")
+    if scaler.pipeline_group is not pipe.group or \
+            scaler.data_parallel_group is not pipe.data_parallel_group:
+        raise ValueError("this PipeGradScaler was built for a pipe on other process groups; "
+                         "build one per pipe with PipeGradScaler(pipe)")
+    seed = scaler.scale(torch.ones((), device=pipe.device))
+    assert isinstance(seed, Tensor)
+    return seed.reshape(())
+
+
+def _check_same(settings: Tensor, group: Optional[dist.ProcessGroup], who: str) -> None:
+    everyone = [torch.zeros_like(settings) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, settings, group=group)
+    odd = [r for r, s in enumerate(everyone) if not torch.equal(s, everyone[0])]
+    if odd:
+        raise ValueError(
+            f"{who} {odd} built their PipeGradScaler with other settings (enabled, "
+            f"init_scale, growth_factor, backoff_factor, growth_interval) than {who[:-1]} 0; "
+            f"build it on every rank with the same arguments")
