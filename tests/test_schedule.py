@@ -1,4 +1,6 @@
-"""Tests for seqpipe.schedule: built-in orders, validation, simulation and lookup."""
+"""Tests for seqpipe.schedule with one stage per rank and F/B actions: fill-drain and 1F1B
+orders, validation, simulation and lookup (the other built-ins: test_schedule_builtins.py;
+split backward and several stages per rank: test_schedule_split.py)."""
 from __future__ import annotations
 
 import re
@@ -264,7 +266,8 @@ def test_missing_action() -> None:
 
 
 def test_many_missing_actions_are_abbreviated() -> None:
-    with pytest.raises(ScheduleError, match=r"^rank 0, stage 0: missing 20 action\(s\): F0, B0, .*, \.\.\.$"):
+    match = r"^rank 0, stage 0: missing 20 action\(s\): F0, B0, .*, \.\.\.$"
+    with pytest.raises(ScheduleError, match=match):
         validate_schedule(PerStage([]), 1, 10)
 
 
@@ -378,12 +381,6 @@ def test_get_schedule_passes_objects_through() -> None:
     sched = ForwardsThenBackwardsInOrder()
     assert get_schedule(sched) is sched
     validate_schedule("1f1b", 3, 5)  # names work wherever a schedule is taken
-
-
-def test_get_schedule_unknown_name_lists_valid_names() -> None:
-    match = "unknown schedule 'zigzag'; valid names: 'fill_drain', 'gpipe', '1f1b'"
-    with pytest.raises(ValueError, match=match):
-        get_schedule("zigzag")
 
 
 @pytest.mark.parametrize("obj", [42, None, object(), ["F0"]])

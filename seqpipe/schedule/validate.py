@@ -141,7 +141,8 @@ def collect(schedule: Union[str, AnySchedule], num_ranks: int, num_microbatches:
             held = placement.stages_of(rank)
             if len(held) != stages_per_rank:
                 raise ScheduleError(f"rank {rank} holds {len(held)} stages {list(held)}, but "
-                                    f"{stages_per_rank} per rank are supported here")
+                                    f"this engine runs {stages_per_rank} per rank: choose a "
+                                    "schedule with that many, e.g. '1f1b' for 1")
     positions = _Positions(placement.num_stages, m)
     rows = []
     for rank, items in enumerate(orders):
@@ -155,8 +156,9 @@ def collect(schedule: Union[str, AnySchedule], num_ranks: int, num_microbatches:
             if allowed is not None and action.phase not in allowed:
                 names = ", ".join(p.letter for p in Phase if p in allowed)
                 raise ScheduleError(f"rank {rank}, stage {stage}: {action} is a "
-                                    f"{action.phase.value} pass, but only {names} are "
-                                    "supported here")
+                                    f"{action.phase.value} pass, but this engine runs only "
+                                    f"{names}: choose a schedule without the others, e.g. "
+                                    "'1f1b'")
             kind, slot = _KIND[action.phase], stage * m + action.microbatch
             positions.put(rank, kind, slot, pos)
             row.append((kind, slot))
