@@ -18,8 +18,8 @@ from typing import Protocol, Union, runtime_checkable
 from seqpipe.schedule.action import Action
 from seqpipe.schedule.placement import Placement
 
-__all__ = ["AnySchedule", "Schedule", "ScheduleError", "StagedSchedule", "placement_of",
-           "rank_orders"]
+__all__ = ["AnySchedule", "Schedule", "ScheduleError", "StagedSchedule", "is_staged",
+           "placement_of", "rank_orders"]
 
 
 class ScheduleError(ValueError):

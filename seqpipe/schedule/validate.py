@@ -23,8 +23,9 @@ from typing import Optional, Union
 from seqpipe.schedule.action import Action, Phase
 from seqpipe.schedule.placement import Placement
 from seqpipe.schedule.protocol import AnySchedule, ScheduleError, rank_orders
+from seqpipe.schedule.registry import get_schedule
 
-__all__ = ["Plan", "collect", "validate_schedule", "walk"]
+__all__ = ["CheckedOrders", "collect", "validate_schedule", "walk"]
 
 # Kinds of action, as small ints for the walk.
 FWD, FULL, INPUT, WEIGHT = range(4)
@@ -34,7 +35,7 @@ _LETTER = "FBIW"
 
 
 @dataclass(frozen=True)
-class Plan:
+class CheckedOrders:
     """A checked schedule: its placement, each rank's actions, and their walk encoding."""
 
     placement: Placement
@@ -128,10 +129,8 @@ def _allowed(phases: Optional[Iterable[Union[Phase, str]]]) -> Optional[set[Phas
 
 def collect(schedule: Union[str, AnySchedule], num_ranks: int, num_microbatches: int, *,
             phases: Optional[Iterable[Union[Phase, str]]] = None,
-            stages_per_rank: Optional[int] = None) -> Plan:
+            stages_per_rank: Optional[int] = None) -> CheckedOrders:
     """Fetch every rank's list and run the structural checks; see :func:`validate_schedule`."""
-    from seqpipe.schedule.registry import get_schedule
-
     schedule = get_schedule(schedule)
     _check_sizes(num_ranks, num_microbatches)
     placement, orders = rank_orders(schedule, num_ranks, num_microbatches)
@@ -167,8 +166,8 @@ def collect(schedule: Union[str, AnySchedule], num_ranks: int, num_microbatches:
         for stage in placement.stages_of(rank):
             positions.check_stage(rank, stage)
     grad_kind = [FULL if pos >= 0 else INPUT for pos in positions.at[FULL]]
-    return Plan(placement, m, orders, [_link(row, placement.num_stages, m) for row in rows],
-                grad_kind)
+    links = [_link(row, placement.num_stages, m) for row in rows]
+    return CheckedOrders(placement, m, orders, links, grad_kind)
 
 
 def _link(row: list[tuple[int, int]], num_stages: int,
@@ -188,7 +187,7 @@ def _link(row: list[tuple[int, int]], num_stages: int,
     return out
 
 
-def _deadlock(plan: Plan, blocked: dict[int, tuple[int, int, int]]) -> ScheduleError:
+def _deadlock(plan: CheckedOrders, blocked: dict[int, tuple[int, int, int]]) -> ScheduleError:
     """Name every rank that can no longer move, and what it waits for."""
     m, parts = plan.num_microbatches, []
     for rank, (kind, slot, need) in sorted(blocked.items()):
@@ -199,7 +198,7 @@ def _deadlock(plan: Plan, blocked: dict[int, tuple[int, int, int]]) -> ScheduleE
     return ScheduleError("deadlock: " + "; ".join(parts))
 
 
-def walk(plan: Plan, cost: Sequence[Sequence[float]]) -> list[list[float]]:
+def walk(plan: CheckedOrders, cost: Sequence[Sequence[float]]) -> list[list[float]]:
     """Run every rank as far as its dependencies allow; return start times or raise on deadlock.
 
     ``cost[kind][stage]`` is the duration of an action. An action starts when its rank is
