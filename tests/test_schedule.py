@@ -1,4 +1,6 @@
-"""Tests for seqpipe.schedule: built-in orders, validation, simulation and lookup."""
+"""Tests for seqpipe.schedule with one stage per rank and F/B actions: fill-drain and 1F1B
+orders, validation, simulation and lookup (the other built-ins: test_schedule_builtins.py;
+split backward and several stages per rank: test_schedule_split.py)."""
 from __future__ import annotations
 
 import re
@@ -225,8 +227,8 @@ def test_simulate_rejects_bad_costs(kwargs: dict, exc: type, match: str) -> None
 def test_chart() -> None:
     sim = simulate(FillDrain(), 2, 2, forward_cost=1, backward_cost=1)
     assert sim.chart() == (
-        "stage 0: F0 F1 .  .  B1 B0\n"
-        "stage 1: .  F0 F1 B1 B0 ."
+        "rank 0: F0 F1 .  .  B1 B0\n"
+        "rank 1: .  F0 F1 B1 B0 ."
     )
     with pytest.raises(ValueError, match="unit"):
         sim.chart(unit=0)
@@ -259,32 +261,33 @@ def test_user_schedule_may_return_any_iterable() -> None:
 
 def test_missing_action() -> None:
     sched = PerStage(acts("F0 F1 B0"), acts("F0 F1 B1 B0"))
-    with pytest.raises(ScheduleError, match=r"^stage 0: missing 1 action\(s\): B1$"):
+    with pytest.raises(ScheduleError, match=r"^rank 0, stage 0: missing 1 action\(s\): B1$"):
         validate_schedule(sched, 2, 2)
 
 
 def test_many_missing_actions_are_abbreviated() -> None:
-    with pytest.raises(ScheduleError, match=r"stage 0: missing 20 action\(s\): F0, B0, .*, \.\.\."):
+    match = r"^rank 0, stage 0: missing 20 action\(s\): F0, B0, .*, \.\.\.$"
+    with pytest.raises(ScheduleError, match=match):
         validate_schedule(PerStage([]), 1, 10)
 
 
 def test_duplicate_action() -> None:
     sched = PerStage(acts("F0 F1 B1 B0"), acts("F0 F1 F0 B1 B0"))
-    match = r"stage 1: F0 appears more than once \(positions 0 and 2\)"
+    match = r"^rank 1, stage 1: F0 appears more than once \(positions 0 and 2 of rank 1\)$"
     with pytest.raises(ScheduleError, match=match):
         validate_schedule(sched, 2, 2)
 
 
 def test_backward_before_forward() -> None:
     sched = PerStage(acts("F0 F1 F2 B2 B1 B0"), acts("F0 F1 B2 F2 B1 B0"))
-    match = "stage 1: backward of micro-batch 2 comes before its forward"
+    match = r"^rank 1, stage 1: B2 \(backward of micro-batch 2\) comes before its forward F2$"
     with pytest.raises(ScheduleError, match=match):
         validate_schedule(sched, 2, 3)
 
 
 def test_microbatch_out_of_range() -> None:
     sched = PerStage(acts("F0 F5 B0 B5"))
-    match = r"stage 0: F5 refers to micro-batch 5, but there are only 2 \(0..1\)"
+    match = r"^rank 0, stage 0: F5 refers to micro-batch 5, but there are only 2 \(0..1\)$"
     with pytest.raises(ScheduleError, match=match):
         validate_schedule(sched, 1, 2)
 
@@ -293,8 +296,8 @@ def test_cross_stage_deadlock() -> None:
     # Stage 0 wants B0 from stage 1 before sending F1; stage 1 wants F1 before it runs F0/B0.
     sched = PerStage(acts("F0 B0 F1 B1"), acts("F1 F0 B0 B1"))
     expected = (
-        "deadlock: stage 0 waits at B0 for B0 from stage 1; "
-        "stage 1 waits at F1 for F1 from stage 0"
+        "deadlock: rank 0 waits at B0 of stage 0 for B0 of stage 1 (rank 1); "
+        "rank 1 waits at F1 of stage 1 for F1 of stage 0 (rank 0)"
     )
     with pytest.raises(ScheduleError, match=f"^{re.escape(expected)}$"):
         validate_schedule(sched, 2, 2)
@@ -308,9 +311,9 @@ def test_deadlock_names_every_blocked_stage() -> None:
     with pytest.raises(ScheduleError) as info:
         validate_schedule(sched, 3, 2)
     assert str(info.value) == (
-        "deadlock: stage 0 waits at B0 for B0 from stage 1; "
-        "stage 1 waits at F1 for F1 from stage 0; "
-        "stage 2 waits at F0 for F0 from stage 1"
+        "deadlock: rank 0 waits at B0 of stage 0 for B0 of stage 1 (rank 1); "
+        "rank 1 waits at F1 of stage 1 for F1 of stage 0 (rank 0); "
+        "rank 2 waits at F0 of stage 2 for F0 of stage 1 (rank 1)"
     )
 
 
@@ -325,19 +328,19 @@ def test_deadlock_after_partial_progress() -> None:
     with pytest.raises(ScheduleError) as info:
         validate_schedule(sched, 3, 3)
     assert str(info.value) == (
-        "deadlock: stage 0 waits at B2 for B2 from stage 1; "
-        "stage 1 waits at B1 for B1 from stage 2; "
-        "stage 2 waits at F2 for F2 from stage 1"
+        "deadlock: rank 0 waits at B2 of stage 0 for B2 of stage 1 (rank 1); "
+        "rank 1 waits at B1 of stage 1 for B1 of stage 2 (rank 2); "
+        "rank 2 waits at F2 of stage 2 for F2 of stage 1 (rank 1)"
     )
 
 
 @pytest.mark.parametrize(
     ("k", "m", "match"),
     [
-        (0, 4, "num_stages must be >= 1, got 0"),
+        (0, 4, "num_ranks must be >= 1, got 0"),
         (2, 0, "num_microbatches must be >= 1, got 0"),
-        (-1, 4, "num_stages must be >= 1, got -1"),
-        (2.0, 4, "num_stages must be an int, got 2.0"),
+        (-1, 4, "num_ranks must be >= 1, got -1"),
+        (2.0, 4, "num_ranks must be an int, got 2.0"),
         (2, True, "num_microbatches must be an int, got True"),
     ],
 )
@@ -351,10 +354,10 @@ def test_bad_sizes(k: object, m: object, match: str) -> None:
 @pytest.mark.parametrize(
     ("stage_list", "match"),
     [
-        (["F0", "B0"], r"stage 0: item 0 is 'F0' \(str\), expected an Action"),
-        ([F(0), ("backward", 0)], r"stage 0: item 1 is \('backward', 0\) \(tuple\), expected an"),
-        (None, r"stage 0: actions\(\) returned NoneType, expected a sequence of Action"),
-        ("F0B0", r"stage 0: actions\(\) returned str"),
+        (["F0", "B0"], r"^rank 0: item 0 is 'F0' \(str\), expected an Action$"),
+        ([F(0), ("backward", 0)], r"^rank 0: item 1 is \('backward', 0\) \(tuple\), expected an"),
+        (None, r"^rank 0: the schedule returned NoneType, expected a sequence of Action$"),
+        ("F0B0", r"^rank 0: the schedule returned str"),
     ],
 )
 def test_wrong_action_types(stage_list: object, match: str) -> None:
@@ -378,12 +381,6 @@ def test_get_schedule_passes_objects_through() -> None:
     sched = ForwardsThenBackwardsInOrder()
     assert get_schedule(sched) is sched
     validate_schedule("1f1b", 3, 5)  # names work wherever a schedule is taken
-
-
-def test_get_schedule_unknown_name_lists_valid_names() -> None:
-    match = "unknown schedule 'zigzag'; valid names: 'fill_drain', 'gpipe', '1f1b'"
-    with pytest.raises(ValueError, match=match):
-        get_schedule("zigzag")
 
 
 @pytest.mark.parametrize("obj", [42, None, object(), ["F0"]])

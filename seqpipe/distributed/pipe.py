@@ -28,6 +28,10 @@ from seqpipe.stage import Stage
 
 __all__ = ["DistributedPipe"]
 
+# What this engine runs of what schedules can express: one stage per rank, F and B actions.
+# Split backward (I/W) and several stages per rank are refused by validate_schedule.
+_RUNS: Dict[str, Any] = {"phases": "FB", "stages_per_rank": 1}
+
 
 @dataclass(frozen=True)
 class _CallPlan:
@@ -110,7 +114,7 @@ class DistributedPipe(nn.Module):
         self.schedule = get_schedule(schedule)
         self.device = torch.device(device) if device is not None else _default_device()
         self.balance = self._resolve_balance(module, balance)
-        validate_schedule(self.schedule, self.num_stages, self.chunks)
+        validate_schedule(self.schedule, self.num_stages, self.chunks, **_RUNS)
         layout = inspect_skip_layout(module, self.balance)
         fingerprint = self._check_same_everywhere(module)
         start = sum(self.balance[:self.stage_index])
@@ -187,7 +191,7 @@ class DistributedPipe(nn.Module):
         """This stage's actions in a call of ``m`` micro-batches, and its messages."""
         if (m, grad) not in self._plans:
             if m not in self._validated:
-                validate_schedule(self.schedule, self.num_stages, m)
+                validate_schedule(self.schedule, self.num_stages, m, **_RUNS)
                 self._validated.add(m)
             k, me = self.num_stages, self.stage_index
             actions = [list(self.schedule.actions(s, k, m)) for s in range(k)]
