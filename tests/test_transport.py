@@ -124,13 +124,16 @@ def _fast_path(rank: int, world: int) -> None:
                     "the world pipeline did not get a group per direction")
     even, ragged = data(2, 8), data(3, 10)  # micro-batches 2, 2, 2, 2 and 3, 3, 2, 2
     # A message carries its tensors in one buffer when the receiver posted a receive of the
-    # right size, i.e. its shape matches the same message's in the previous call. Otherwise
-    # (step 1: nothing seen yet; step 3: micro-batches 0 and 1 grew from 2 to 3 samples) it
-    # fills the posted receive with a header that says so and sends the payload after it.
+    # right size: its shape was seen first in the previous call, or the same in the two
+    # calls before. Otherwise it fills the posted receive with a header that says so and
+    # sends the payload after it: in step 1 (nothing seen yet: header-only receives); in
+    # step 3, where micro-batches 0 and 1 grew from 2 to 3 samples; and in step 4, where
+    # they are no longer trusted (the receiver posts only a header for them).
     steps = [("step 1 (first)", even, {0, 1, 2, 3}, True),
              ("step 2 (same as 1)", even, set(), False),
              ("step 3 (batch 10)", ragged, {0, 1}, False),
-             ("step 4 (same as 3)", ragged, set(), False)]
+             ("step 4 (same as 3)", ragged, {0, 1}, False),
+             ("step 5 (same as 4)", ragged, set(), False)]
     with Recorder() as rec:
         for what, (x, y), resized, first in steps:
             rec.reset()
@@ -173,8 +176,9 @@ def _fast_path(rank: int, world: int) -> None:
 
 
 def test_one_buffer_per_message_once_shapes_are_known() -> None:
-    """Two buffers per message with a payload while shapes are new, one afterwards; ragged
-    micro-batches resize only the messages whose shapes changed; gradients always match."""
+    """Two buffers per message with a payload while shapes are new or just changed, one once
+    a shape holds; ragged micro-batches resize only the messages whose shapes changed;
+    gradients always match."""
     run_workers(_fast_path, 2, timeout=120, pg_timeout=60)
 
 
