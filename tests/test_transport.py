@@ -8,9 +8,10 @@ end of the worker, so a rank that finds one never leaves the others waiting in a
 """
 from __future__ import annotations
 
+import graphlib
 import time
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 from unittest import mock
 
 import torch
@@ -439,3 +440,136 @@ def _shared_nccl_group(rank: int, world: int) -> None:
 
 def test_a_hand_made_nccl_group_warns_and_receives_only_when_needed() -> None:
     run_workers(_shared_nccl_group, 2, timeout=60)
+
+
+# -- communicators: opened in one order at construction, and failures stay on them -----
+class Touches:
+    """Patches ``dist.isend``/``dist.irecv`` in this process: every point-to-point
+    operation, in order, as ``(op, group, peer's global rank)`` (group ``None``: the
+    world)."""
+
+    def __init__(self) -> None:
+        self.ops: List[Tuple[str, Any, int]] = []
+        self.originals = (dist.isend, dist.irecv)
+
+    def __enter__(self) -> "Touches":
+        isend, irecv = self.originals
+
+        def _isend(tensor: Tensor, dst: int, group: Any = None, **kw: Any) -> Any:
+            self.ops.append(("isend", group, dst))
+            return isend(tensor, dst=dst, group=group, **kw)
+
+        def _irecv(tensor: Tensor, src: int, group: Any = None, **kw: Any) -> Any:
+            self.ops.append(("irecv", group, src))
+            return irecv(tensor, src=src, group=group, **kw)
+
+        dist.isend, dist.irecv = _isend, _irecv  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.isend, dist.irecv = self.originals  # type: ignore[assignment]
+
+    def first(self, rank: int, names: Dict[Any, str]) -> List[Tuple[str, int, int, str, int]]:
+        """This rank's first operation on each (group, pair of ranks), in order:
+        ``(group name, lower rank, higher rank, op, when)``."""
+        seen: Dict[Tuple[str, int, int], Tuple[str, int, int, str, int]] = {}
+        for when, (op, group, peer) in enumerate(self.ops):
+            key = (names[group], min(rank, peer), max(rank, peer))
+            seen.setdefault(key, (*key, op, when))
+        return sorted(seen.values(), key=lambda first: first[-1])
+
+
+class ArmedBoom(nn.Module):
+    """A linear layer that raises on the third forward after being armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8).to(DTYPE)
+        self.left: Any = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.left is not None:
+            self.left -= 1
+            if self.left == 0:
+                raise ZeroDivisionError("boom on stage 2")
+        return self.lin(x)
+
+
+def _cycle(firsts: List[List[Tuple[str, int, int, str, int]]]) -> Optional[str]:
+    """A cycle in the order the ranks first touch their (group, pair)s, if any: with
+    NCCL's lazy communicators, each first touch blocks until the peer arrives, so ranks
+    that disagree on the order deadlock."""
+    order = graphlib.TopologicalSorter()
+    for mine in firsts:
+        for before, after in zip(mine, mine[1:]):
+            order.add(after[:3], before[:3])
+    try:
+        order.prepare()
+    except graphlib.CycleError as exc:
+        return str(exc.args[1])
+    return None
+
+
+def _communicators(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    boom = ArmedBoom()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), boom, nn.Linear(8, 4)).to(DTYPE)
+    with Touches() as touches:
+        pipe = DistributedPipe(model, chunks=4, balance=[1, 1, 1, 1], checkpoint="never")
+        built_at = len(touches.ops)
+        transport = pipe._transport
+        names = {transport.group: "forward", transport.reverse: "reverse"}
+        for n, batch in enumerate((8, 10, 6)):  # shapes change: placeholders, payloads
+            x, y = data(50 + n, batch)
+            pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+                            F.mse_loss)
+        pipe(data(60, 8)[0] if rank == 0 else None)
+        opened = {(names[g], peer, op) for op, g, peer in touches.ops[:built_at]}
+        used = {(names[g], peer, op) for op, g, peer in touches.ops[built_at:]}
+        failures.expect(used <= opened, f"calls used pairs not opened at construction: "
+                                        f"{sorted(used - opened)}")
+        firsts = touches.first(rank, names)
+        failures.expect(all(when < built_at for *_, when in firsts),
+                        f"a pair was first used after construction: {firsts}")
+        # A failure on stage 2 of 4: the news travels only over pairs the calls used.
+        boom.left = 3 if rank == 2 else None
+        before = len(touches.ops)
+        x, y = data(70, 8)
+        try:
+            pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+                            F.mse_loss)
+        except (ZeroDivisionError, PeerError) as exc:
+            failures.expect(isinstance(exc, ZeroDivisionError if rank == 2 else PeerError),
+                            f"raised {exc!r}")
+            failures.expect("stage 2 failed in the forward of micro-batch 2"
+                            in str(exc) + " ".join(getattr(exc, "__notes__", [])),
+                            f"the failure is not named: {exc!r}")
+        else:
+            failures.expect(False, "the failing step did not raise")
+        during = {(names[g], peer, op) for op, g, peer in touches.ops[before:]}
+        failures.expect(during <= opened, f"the failure used pairs not opened at "
+                                          f"construction: {sorted(during - opened)}")
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, firsts)
+    for a in range(world):
+        for b in range(a + 1, world):
+            theirs = {f[:3]: f[3] for f in everyone[b]}
+            for first in everyone[a]:
+                if first[1:3] == (a, b):
+                    pair = sorted((first[3], theirs.get(first[:3], "nothing")))
+                    failures.expect(pair == ["irecv", "isend"],
+                                    f"{first[:3]} first touched by {pair}: not one matched "
+                                    f"send and receive")
+    cycle = _cycle(everyone)
+    failures.expect(cycle is None, f"ranks first touch their pairs in conflicting orders: "
+                                   f"{cycle}")
+    failures.finish()
+
+
+def test_communicators_open_in_one_order_at_construction_and_failures_stay_on_them() -> None:
+    """Every (group, pair) a pipeline uses is first touched while it is built, by one
+    matched send and receive, in an order all ranks agree on (NCCL creates a communicator
+    per pair lazily, blocking until both ends arrive); later calls, and a failure on stage
+    2 of 4 (relayed, not sent to every stage), use only those pairs."""
+    run_workers(_communicators, 4, timeout=120, pg_timeout=60)
