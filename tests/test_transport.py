@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqpipe.distributed.wire as wire
 from distributed_harness import Failures, run_workers
@@ -573,3 +574,127 @@ def test_communicators_open_in_one_order_at_construction_and_failures_stay_on_th
     per pair lazily, blocking until both ends arrive); later calls, and a failure on stage
     2 of 4 (relayed, not sent to every stage), use only those pairs."""
     run_workers(_communicators, 4, timeout=120, pg_timeout=60)
+
+
+# -- shapes that keep changing: bytes on the wire ---------------------------------------
+def _boundary(t: int) -> int:
+    """Payload bytes of one activation (or its gradient) between ``small()``'s stages at
+    balance [2, 3]: a micro-batch of 2 sequences of ``t`` steps, 16 float64 features."""
+    return wire.nbytes(((DTYPE, (2, t, 16)),))
+
+
+def _varying_length(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    pipe, ref = built(7, chunks=4, balance=[2, 3], schedule="1f1b")
+    transport = pipe._transport
+    loss_bytes = wire.nbytes(((DTYPE, ()),))
+    # every step a new sequence length (never the same twice in a row), then one held
+    lengths = [5, 9, 3, 12, 7, 4, 10, 6, 6, 6]
+    gen = torch.Generator().manual_seed(8)
+    with Recorder() as rec:
+        for n, t in enumerate(lengths):
+            x = torch.randn(8, t, 8, generator=gen, dtype=DTYPE)
+            y = torch.randn(8, t, 4, generator=gen, dtype=DTYPE)
+            rec.reset()
+            before = transport.sent_bytes
+            matched_step(pipe, ref, rank, world, x, y, failures, f"step {n} (length {t})")
+            sent = transport.sent_bytes - before
+            # one buffer per message, header and payload: what no scheme can go below
+            least = (2 * HEADER_BYTES if rank == 0 else HEADER_BYTES + loss_bytes) \
+                + 4 * (HEADER_BYTES + _boundary(t))
+            # Step 1 posts header-only receives (nothing seen yet): header, then payload,
+            # no byte more. Step 2 meets receives posted at step 1's size, trusted since
+            # seen: each activation (gradient) fills one with a placeholder, then the
+            # payload. From then on those messages are not trusted to keep their shape:
+            # header-only receives again, until the same length comes twice in a row.
+            extra = 4 * _boundary(lengths[0]) if n == 1 else 0
+            failures.expect(sent == least + extra, f"step {n}: sent {sent} bytes, expected "
+                                                   f"{least} + {extra}")
+            payload = [m for m in rec.messages if m[1] in (Kind.ACTIVATION, Kind.GRAD)]
+            one = n == len(lengths) - 1  # the length held: received in place again
+            failures.expect(all(m[4] == (1 if one else 2) for m in payload),
+                            f"step {n}: buffers per message {[m[4] for m in payload]}")
+    failures.finish()
+
+
+def test_a_sequence_length_that_changes_every_step_costs_a_round_trip_not_bytes() -> None:
+    """With the sequence length changing every step, each activation and gradient goes as
+    a header then its payload: as many bytes as one buffer would take (the old scheme
+    filled the receive posted at the old size first, about doubling the traffic), and
+    one buffer again once a length holds; gradients match the plain model throughout."""
+    run_workers(_varying_length, 2, timeout=120, pg_timeout=60)
+
+
+# -- headers: never a blocking host-to-device copy --------------------------------------
+class CopyMode(TorchDispatchMode):
+    """Appends every copy between tensors (``copy_``, ``_to_copy``) to ``seen`` as
+    ``(op, bytes, non_blocking)``."""
+
+    def __init__(self, seen: List[Tuple[str, int, bool]]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            asynchronous = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self.seen.append(("copy_", args[1].numel() * args[1].element_size(),
+                              bool(asynchronous)))
+        elif func is torch.ops.aten._to_copy.default:
+            self.seen.append(("_to_copy", args[0].numel() * args[0].element_size(),
+                              bool(kwargs.get("non_blocking", False))))
+        return func(*args, **kwargs)
+
+
+class Copies:
+    """Patches ``Transport.send`` and ``Transport.recv`` to record their copies."""
+
+    def __init__(self) -> None:
+        self.seen: List[Tuple[str, int, bool]] = []
+        self.originals = (Transport.send, Transport.recv)
+
+    def __enter__(self) -> "Copies":
+        seen, (send, recv) = self.seen, self.originals
+
+        def _send(transport: Transport, *args: Any, **kwargs: Any) -> None:
+            with CopyMode(seen):
+                send(transport, *args, **kwargs)
+
+        def _recv(transport: Transport, stage: int) -> Any:
+            with CopyMode(seen):
+                return recv(transport, stage)
+
+        Transport.send, Transport.recv = _send, _recv  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        Transport.send, Transport.recv = self.originals  # type: ignore[method-assign]
+
+
+def _header_copies(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    pipe, ref = built(9, chunks=4, balance=[2, 3], schedule="1f1b")
+    for n, batch in enumerate((8, 10)):  # the second: placeholders, header-only receives
+        x, y = data(80 + n, batch)
+        with Recorder() as rec, Copies() as copies:
+            matched_step(pipe, ref, rank, world, x, y, failures, f"step {n}")
+        # One header copy per message sent, queued (from pinned memory on a GPU); payloads
+        # are copied between tensors on the stage's device; nothing moves with .to().
+        headers = [c for c in copies.seen if c[1] == HEADER_BYTES]
+        failures.expect(all(c[2] for c in headers),
+                        f"step {n}: a header copied with non_blocking=False: {headers}")
+        failures.expect(len(headers) == len(rec.messages),
+                        f"step {n}: {len(headers)} header copies for {len(rec.messages)} "
+                        f"messages")
+        failures.expect(not any(c[0] == "_to_copy" for c in copies.seen),
+                        f"step {n}: a tensor was moved with .to(): {copies.seen}")
+    failures.finish()
+
+
+def test_headers_reach_the_buffer_without_a_blocking_copy() -> None:
+    """A CPU proxy: on gloo the header and the buffer are both host memory, so this shows
+    the copy is issued non-blocking (on a GPU, from pinned memory: queued, the host goes
+    on), not that a GPU overlaps it; reading received headers through a side stream runs
+    only on CUDA."""
+    run_workers(_header_copies, 2, timeout=120, pg_timeout=60)
