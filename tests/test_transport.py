@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import seqpipe.distributed.wire as wire
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
-from seqpipe.distributed.transport import HEADER_SLOTS, Kind, Transport
+from seqpipe.distributed.transport import HEADER_SLOTS, Kind, Transport, _Posted
 
 DTYPE = torch.float64
 HEADER_BYTES = HEADER_SLOTS * 8
@@ -698,3 +699,27 @@ def test_headers_reach_the_buffer_without_a_blocking_copy() -> None:
     on), not that a GPU overlaps it; reading received headers through a side stream runs
     only on CUDA."""
     run_workers(_header_copies, 2, timeout=120, pg_timeout=60)
+
+
+class DoneWork:
+    """A receive that has completed."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_headers_are_pinned_and_read_back_through_a_side_stream() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    with mock.patch.object(dist, "get_rank", return_value=0):
+        transport = Transport(None, device, reverse=dist.group.WORLD)
+    assert transport._side is not None  # the stream headers are read back on
+    payload = torch.randn(3, 5, device=device)
+    header = wire.encode(Kind.GRAD, 3, -1, 0, True, False, [payload], [True], pin=True)
+    assert header.is_pinned()
+    spec = wire.spec_of([payload])
+    buffer = wire.pack(header, [payload], HEADER_BYTES + wire.nbytes(spec), device)
+    torch.cuda.synchronize()  # stands in for the receive the side stream would wait for
+    words = transport._arrival(_Posted(None, spec, buffer, DoneWork()))  # type: ignore[arg-type]
+    assert words == header.tolist()
+    assert torch.equal(wire.unpack(buffer, HEADER_BYTES, spec)[0], payload)
