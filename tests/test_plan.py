@@ -2,7 +2,9 @@
 
 Pure functions of the schedule and the skip layout, checked here without any process:
 an exact list for a small case, then properties over both built-in clocks, 2 and 3 stages,
-1, 4 and 7 micro-batches, training and forward-only calls, with and without skips.
+1, 4 and 7 micro-batches, training and forward-only calls, with and without skips; and
+the pairs of stages a failure is relayed over (``Transport.abort`` on a faked
+``torch.distributed``), for 2 to 8 stages.
 """
 from __future__ import annotations
 

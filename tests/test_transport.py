@@ -1,5 +1,7 @@
 """``Transport`` on real ``DistributedPipe`` runs: the receive-ahead fast path, the
-post-when-needed mode, how long sent buffers are held, and refusal after a failure.
+post-when-needed mode, how long sent buffers are held, refusal after a failure, the order
+in which communicators are first used (and that failures use no new ones), the bytes sent
+while shapes keep changing, and how headers are copied.
 
 Each worker instruments ``Transport`` on its own process (``send``, ``_isend``, ``recv``) and
 checks results against an unpipelined float64 reference built from the same seed. As in
