@@ -2,17 +2,30 @@
 
 Pure functions of the schedule and the skip layout, checked here without any process:
 an exact list for a small case, then properties over both built-in clocks, 2 and 3 stages,
-1, 4 and 7 micro-batches, training and forward-only calls, with and without skips.
+1, 4 and 7 micro-batches, training and forward-only calls, with and without skips; and
+the pairs of stages a failure is relayed over (``Transport.abort`` on a faked
+``torch.distributed``), for 2 to 8 stages.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from datetime import timedelta
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpipe.distributed.plan import OPENING, Planned, closer, messages
-from seqpipe.distributed.transport import Kind
+from seqpipe.distributed.plan import (
+    OPENING,
+    Planned,
+    channels,
+    closer,
+    messages,
+    pipeline_channels,
+)
+from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.schedule import Action, Phase, forward_phase, get_schedule
 from seqpipe.skip import Namespace, inspect_skip_layout, pop, skippable, stash
 from seqpipe.skip.layout import Skip, SkipLayout
@@ -274,3 +287,106 @@ def assert_plan_runs(actions: List[List[Action]], layout: SkipLayout, grad: bool
                 done[stage] += 1
                 progress = True
     assert done == [len(a) for a in actions], f"the replay stalled at {done}"
+
+
+# --------------------------------------------------------------------------- failure relay
+
+
+class FakeWork:
+    """A send that completed at once."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+
+def any_skip(k: int) -> SkipLayout:
+    """One skip from stage 0 to the last stage, built directly for any ``k``."""
+    return SkipLayout((1,) * k, (Skip(Namespace(), "s", 0, k - 1, 0, k - 1),))
+
+
+def aborts(k: int, clock: str, grad: bool, layout: SkipLayout
+           ) -> Iterator[Tuple[int, int, Optional[int], List[int]]]:
+    """Every way a stage can abort a call: ``(stage, its action where it fails, the stage
+    it heard of the failure from, the stages the real ``Transport.abort`` sent to)``.
+
+    Each stage's transport is told the call's plan, then sends (header-only stand-ins for)
+    the messages it sends before that action; ``torch.distributed`` is faked in-process.
+    """
+    actions = actions_of(clock, k, 4, grad)
+    sent: List[int] = []
+
+    def isend(buffer: Tensor, dst: int, group: Any = None) -> FakeWork:
+        sent.append(dst)
+        return FakeWork()
+
+    with mock.patch.object(dist, "isend", isend), \
+            mock.patch.object(dist, "get_backend", lambda group=None: "gloo"):
+        for s in range(k):
+            plans = {d: messages(s, d, actions, layout, grad) for d in range(k) if d != s}
+            senders = [d for d in range(k) if d != s and messages(d, s, actions, layout, grad)]
+            for n in range(-1, len(actions[s]) + 1):
+                for heard_from in (None, *senders):
+                    with mock.patch.object(dist, "get_rank", return_value=s):
+                        transport = Transport(None, torch.device("cpu"))
+                    for d, planned in plans.items():
+                        transport.will_send(d, planned)
+                        for p in planned:
+                            if p.sent_at < n:
+                                transport.send(d, p.kind, p.microbatch, [], key=p.key)
+                    sent.clear()
+                    transport.abort("stage failed", heard_from, patience=timedelta(0))
+                    yield s, n, heard_from, list(sent)
+
+
+@pytest.mark.parametrize("k", range(2, 9))
+def test_an_abort_uses_only_pairs_the_plan_uses(k: int) -> None:
+    """A failure notice travels only between stages that exchange messages in the call
+    (with NCCL, another pair would need a new communicator, which blocks), and reaches
+    every stage that still expects a message from the aborting one, but the stage it heard
+    the news from."""
+    for clock in CLOCKS:
+        for grad in (True, False):
+            for layout in (no_skips(k), any_skip(k)):
+                actions = actions_of(clock, k, 4, grad)
+                used = channels(actions, layout, grad)
+                assert used == channels(actions_of(clock, k, 1, grad), layout, grad)
+                assert used <= pipeline_channels(get_schedule(clock), k, 2, layout)
+                for s, n, heard_from, told in aborts(k, clock, grad, layout):
+                    where = f"{clock} K={k} grad={grad} stage {s} at action {n}"
+                    assert {(s, d) for d in told} <= used, (where, told, used)
+                    assert heard_from not in told and len(set(told)) == len(told), where
+                    waiting = {d for d in range(k) if d not in (s, heard_from) and any(
+                        p.sent_at >= n for p in messages(s, d, actions, layout, grad))}
+                    assert waiting <= set(told), (where, waiting, told)
+
+
+def test_four_stages_never_talk_over_the_pairs_that_exchange_nothing() -> None:
+    # 1 -> 3 and 2 -> 0 carry no message in a 4-stage call without skips: the old abort,
+    # sent to every stage, used them (a new NCCL communicator, and a hang).
+    for clock in CLOCKS:
+        for grad in (True, False):
+            used = channels(actions_of(clock, 4, 4, grad), no_skips(4), grad)
+            assert (1, 3) not in used and (2, 0) not in used
+            for s, _, _, told in aborts(4, clock, grad, no_skips(4)):
+                assert not (s == 1 and 3 in told) and not (s == 2 and 0 in told), (s, told)
+
+
+@pytest.mark.parametrize("k", range(2, 9))
+def test_the_news_can_reach_every_stage(k: int) -> None:
+    """The pairs a call uses connect every stage to every other (following the direction
+    of the messages), so relaying along them reaches everyone."""
+    for clock in CLOCKS:
+        for grad in (True, False):
+            used = channels(actions_of(clock, k, k, grad), no_skips(k), grad)
+            for start in range(k):
+                reached, frontier = {start}, [start]
+                while frontier:
+                    s = frontier.pop()
+                    for src, dst in used:
+                        if src == s and dst not in reached:
+                            reached.add(dst)
+                            frontier.append(dst)
+                assert reached == set(range(k)), (clock, grad, start, reached)

@@ -1,5 +1,7 @@
 """``Transport`` on real ``DistributedPipe`` runs: the receive-ahead fast path, the
-post-when-needed mode, how long sent buffers are held, and refusal after a failure.
+post-when-needed mode, how long sent buffers are held, refusal after a failure, the order
+in which communicators are first used (and that failures use no new ones), the bytes sent
+while shapes keep changing, and how headers are copied.
 
 Each worker instruments ``Transport`` on its own process (``send``, ``_isend``, ``recv``) and
 checks results against an unpipelined float64 reference built from the same seed. As in
@@ -8,20 +10,23 @@ end of the worker, so a rank that finds one never leaves the others waiting in a
 """
 from __future__ import annotations
 
+import graphlib
 import time
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqpipe.distributed.wire as wire
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
-from seqpipe.distributed.transport import HEADER_SLOTS, Kind, Transport
+from seqpipe.distributed.transport import HEADER_SLOTS, Kind, Transport, _Posted
 
 DTYPE = torch.float64
 HEADER_BYTES = HEADER_SLOTS * 8
@@ -124,13 +129,16 @@ def _fast_path(rank: int, world: int) -> None:
                     "the world pipeline did not get a group per direction")
     even, ragged = data(2, 8), data(3, 10)  # micro-batches 2, 2, 2, 2 and 3, 3, 2, 2
     # A message carries its tensors in one buffer when the receiver posted a receive of the
-    # right size, i.e. its shape matches the same message's in the previous call. Otherwise
-    # (step 1: nothing seen yet; step 3: micro-batches 0 and 1 grew from 2 to 3 samples) it
-    # fills the posted receive with a header that says so and sends the payload after it.
+    # right size: its shape was seen first in the previous call, or the same in the two
+    # calls before. Otherwise it fills the posted receive with a header that says so and
+    # sends the payload after it: in step 1 (nothing seen yet: header-only receives); in
+    # step 3, where micro-batches 0 and 1 grew from 2 to 3 samples; and in step 4, where
+    # they are no longer trusted (the receiver posts only a header for them).
     steps = [("step 1 (first)", even, {0, 1, 2, 3}, True),
              ("step 2 (same as 1)", even, set(), False),
              ("step 3 (batch 10)", ragged, {0, 1}, False),
-             ("step 4 (same as 3)", ragged, set(), False)]
+             ("step 4 (same as 3)", ragged, {0, 1}, False),
+             ("step 5 (same as 4)", ragged, set(), False)]
     with Recorder() as rec:
         for what, (x, y), resized, first in steps:
             rec.reset()
@@ -173,8 +181,9 @@ def _fast_path(rank: int, world: int) -> None:
 
 
 def test_one_buffer_per_message_once_shapes_are_known() -> None:
-    """Two buffers per message with a payload while shapes are new, one afterwards; ragged
-    micro-batches resize only the messages whose shapes changed; gradients always match."""
+    """Two buffers per message with a payload while shapes are new or just changed, one once
+    a shape holds; ragged micro-batches resize only the messages whose shapes changed;
+    gradients always match."""
     run_workers(_fast_path, 2, timeout=120, pg_timeout=60)
 
 
@@ -435,3 +444,285 @@ def _shared_nccl_group(rank: int, world: int) -> None:
 
 def test_a_hand_made_nccl_group_warns_and_receives_only_when_needed() -> None:
     run_workers(_shared_nccl_group, 2, timeout=60)
+
+
+# -- communicators: opened in one order at construction, and failures stay on them -----
+class Touches:
+    """Patches ``dist.isend``/``dist.irecv`` in this process: every point-to-point
+    operation, in order, as ``(op, group, peer's global rank)`` (group ``None``: the
+    world)."""
+
+    def __init__(self) -> None:
+        self.ops: List[Tuple[str, Any, int]] = []
+        self.originals = (dist.isend, dist.irecv)
+
+    def __enter__(self) -> "Touches":
+        isend, irecv = self.originals
+
+        def _isend(tensor: Tensor, dst: int, group: Any = None, **kw: Any) -> Any:
+            self.ops.append(("isend", group, dst))
+            return isend(tensor, dst=dst, group=group, **kw)
+
+        def _irecv(tensor: Tensor, src: int, group: Any = None, **kw: Any) -> Any:
+            self.ops.append(("irecv", group, src))
+            return irecv(tensor, src=src, group=group, **kw)
+
+        dist.isend, dist.irecv = _isend, _irecv  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.isend, dist.irecv = self.originals  # type: ignore[assignment]
+
+    def first(self, rank: int, names: Dict[Any, str]) -> List[Tuple[str, int, int, str, int]]:
+        """This rank's first operation on each (group, pair of ranks), in order:
+        ``(group name, lower rank, higher rank, op, when)``."""
+        seen: Dict[Tuple[str, int, int], Tuple[str, int, int, str, int]] = {}
+        for when, (op, group, peer) in enumerate(self.ops):
+            key = (names[group], min(rank, peer), max(rank, peer))
+            seen.setdefault(key, (*key, op, when))
+        return sorted(seen.values(), key=lambda first: first[-1])
+
+
+class ArmedBoom(nn.Module):
+    """A linear layer that raises on the third forward after being armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8).to(DTYPE)
+        self.left: Any = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.left is not None:
+            self.left -= 1
+            if self.left == 0:
+                raise ZeroDivisionError("boom on stage 2")
+        return self.lin(x)
+
+
+def _cycle(firsts: List[List[Tuple[str, int, int, str, int]]]) -> Optional[str]:
+    """A cycle in the order the ranks first touch their (group, pair)s, if any: with
+    NCCL's lazy communicators, each first touch blocks until the peer arrives, so ranks
+    that disagree on the order deadlock."""
+    order = graphlib.TopologicalSorter()
+    for mine in firsts:
+        for before, after in zip(mine, mine[1:]):
+            order.add(after[:3], before[:3])
+    try:
+        order.prepare()
+    except graphlib.CycleError as exc:
+        return str(exc.args[1])
+    return None
+
+
+def _communicators(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    boom = ArmedBoom()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), boom, nn.Linear(8, 4)).to(DTYPE)
+    with Touches() as touches:
+        pipe = DistributedPipe(model, chunks=4, balance=[1, 1, 1, 1], checkpoint="never")
+        built_at = len(touches.ops)
+        transport = pipe._transport
+        names = {transport.group: "forward", transport.reverse: "reverse"}
+        for n, batch in enumerate((8, 10, 6)):  # shapes change: placeholders, payloads
+            x, y = data(50 + n, batch)
+            pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+                            F.mse_loss)
+        pipe(data(60, 8)[0] if rank == 0 else None)
+        opened = {(names[g], peer, op) for op, g, peer in touches.ops[:built_at]}
+        used = {(names[g], peer, op) for op, g, peer in touches.ops[built_at:]}
+        failures.expect(used <= opened, f"calls used pairs not opened at construction: "
+                                        f"{sorted(used - opened)}")
+        firsts = touches.first(rank, names)
+        failures.expect(all(when < built_at for *_, when in firsts),
+                        f"a pair was first used after construction: {firsts}")
+        # A failure on stage 2 of 4: the news travels only over pairs the calls used.
+        boom.left = 3 if rank == 2 else None
+        before = len(touches.ops)
+        x, y = data(70, 8)
+        try:
+            pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+                            F.mse_loss)
+        except (ZeroDivisionError, PeerError) as exc:
+            failures.expect(isinstance(exc, ZeroDivisionError if rank == 2 else PeerError),
+                            f"raised {exc!r}")
+            failures.expect("stage 2 failed in the forward of micro-batch 2"
+                            in str(exc) + " ".join(getattr(exc, "__notes__", [])),
+                            f"the failure is not named: {exc!r}")
+        else:
+            failures.expect(False, "the failing step did not raise")
+        during = {(names[g], peer, op) for op, g, peer in touches.ops[before:]}
+        failures.expect(during <= opened, f"the failure used pairs not opened at "
+                                          f"construction: {sorted(during - opened)}")
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, firsts)
+    for a in range(world):
+        for b in range(a + 1, world):
+            theirs = {f[:3]: f[3] for f in everyone[b]}
+            for first in everyone[a]:
+                if first[1:3] == (a, b):
+                    pair = sorted((first[3], theirs.get(first[:3], "nothing")))
+                    failures.expect(pair == ["irecv", "isend"],
+                                    f"{first[:3]} first touched by {pair}: not one matched "
+                                    f"send and receive")
+    cycle = _cycle(everyone)
+    failures.expect(cycle is None, f"ranks first touch their pairs in conflicting orders: "
+                                   f"{cycle}")
+    failures.finish()
+
+
+def test_communicators_open_in_one_order_at_construction_and_failures_stay_on_them() -> None:
+    """Every (group, pair) a pipeline uses is first touched while it is built, by one
+    matched send and receive, in an order all ranks agree on (NCCL creates a communicator
+    per pair lazily, blocking until both ends arrive); later calls, and a failure on stage
+    2 of 4 (relayed, not sent to every stage), use only those pairs."""
+    run_workers(_communicators, 4, timeout=120, pg_timeout=60)
+
+
+# -- shapes that keep changing: bytes on the wire ---------------------------------------
+def _boundary(t: int) -> int:
+    """Payload bytes of one activation (or its gradient) between ``small()``'s stages at
+    balance [2, 3]: a micro-batch of 2 sequences of ``t`` steps, 16 float64 features."""
+    return wire.nbytes(((DTYPE, (2, t, 16)),))
+
+
+def _varying_length(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    pipe, ref = built(7, chunks=4, balance=[2, 3], schedule="1f1b")
+    transport = pipe._transport
+    loss_bytes = wire.nbytes(((DTYPE, ()),))
+    # every step a new sequence length (never the same twice in a row), then one held
+    lengths = [5, 9, 3, 12, 7, 4, 10, 6, 6, 6]
+    gen = torch.Generator().manual_seed(8)
+    with Recorder() as rec:
+        for n, t in enumerate(lengths):
+            x = torch.randn(8, t, 8, generator=gen, dtype=DTYPE)
+            y = torch.randn(8, t, 4, generator=gen, dtype=DTYPE)
+            rec.reset()
+            before = transport.sent_bytes
+            matched_step(pipe, ref, rank, world, x, y, failures, f"step {n} (length {t})")
+            sent = transport.sent_bytes - before
+            # one buffer per message, header and payload: what no scheme can go below
+            least = (2 * HEADER_BYTES if rank == 0 else HEADER_BYTES + loss_bytes) \
+                + 4 * (HEADER_BYTES + _boundary(t))
+            # Step 1 posts header-only receives (nothing seen yet): header, then payload,
+            # no byte more. Step 2 meets receives posted at step 1's size, trusted since
+            # seen: each activation (gradient) fills one with a placeholder, then the
+            # payload. From then on those messages are not trusted to keep their shape:
+            # header-only receives again, until the same length comes twice in a row.
+            extra = 4 * _boundary(lengths[0]) if n == 1 else 0
+            failures.expect(sent == least + extra, f"step {n}: sent {sent} bytes, expected "
+                                                   f"{least} + {extra}")
+            payload = [m for m in rec.messages if m[1] in (Kind.ACTIVATION, Kind.GRAD)]
+            one = n == len(lengths) - 1  # the length held: received in place again
+            failures.expect(all(m[4] == (1 if one else 2) for m in payload),
+                            f"step {n}: buffers per message {[m[4] for m in payload]}")
+    failures.finish()
+
+
+def test_a_sequence_length_that_changes_every_step_costs_a_round_trip_not_bytes() -> None:
+    """With the sequence length changing every step, each activation and gradient goes as
+    a header then its payload: as many bytes as one buffer would take (the old scheme
+    filled the receive posted at the old size first, about doubling the traffic), and
+    one buffer again once a length holds; gradients match the plain model throughout."""
+    run_workers(_varying_length, 2, timeout=120, pg_timeout=60)
+
+
+# -- headers: never a blocking host-to-device copy --------------------------------------
+class CopyMode(TorchDispatchMode):
+    """Appends every copy between tensors (``copy_``, ``_to_copy``) to ``seen`` as
+    ``(op, bytes, non_blocking)``."""
+
+    def __init__(self, seen: List[Tuple[str, int, bool]]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            asynchronous = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self.seen.append(("copy_", args[1].numel() * args[1].element_size(),
+                              bool(asynchronous)))
+        elif func is torch.ops.aten._to_copy.default:
+            self.seen.append(("_to_copy", args[0].numel() * args[0].element_size(),
+                              bool(kwargs.get("non_blocking", False))))
+        return func(*args, **kwargs)
+
+
+class Copies:
+    """Patches ``Transport.send`` and ``Transport.recv`` to record their copies."""
+
+    def __init__(self) -> None:
+        self.seen: List[Tuple[str, int, bool]] = []
+        self.originals = (Transport.send, Transport.recv)
+
+    def __enter__(self) -> "Copies":
+        seen, (send, recv) = self.seen, self.originals
+
+        def _send(transport: Transport, *args: Any, **kwargs: Any) -> None:
+            with CopyMode(seen):
+                send(transport, *args, **kwargs)
+
+        def _recv(transport: Transport, stage: int) -> Any:
+            with CopyMode(seen):
+                return recv(transport, stage)
+
+        Transport.send, Transport.recv = _send, _recv  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        Transport.send, Transport.recv = self.originals  # type: ignore[method-assign]
+
+
+def _header_copies(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    pipe, ref = built(9, chunks=4, balance=[2, 3], schedule="1f1b")
+    for n, batch in enumerate((8, 10)):  # the second: placeholders, header-only receives
+        x, y = data(80 + n, batch)
+        with Recorder() as rec, Copies() as copies:
+            matched_step(pipe, ref, rank, world, x, y, failures, f"step {n}")
+        # One header copy per message sent, queued (from pinned memory on a GPU); payloads
+        # are copied between tensors on the stage's device; nothing moves with .to().
+        headers = [c for c in copies.seen if c[1] == HEADER_BYTES]
+        failures.expect(all(c[2] for c in headers),
+                        f"step {n}: a header copied with non_blocking=False: {headers}")
+        failures.expect(len(headers) == len(rec.messages),
+                        f"step {n}: {len(headers)} header copies for {len(rec.messages)} "
+                        f"messages")
+        failures.expect(not any(c[0] == "_to_copy" for c in copies.seen),
+                        f"step {n}: a tensor was moved with .to(): {copies.seen}")
+    failures.finish()
+
+
+def test_headers_reach_the_buffer_without_a_blocking_copy() -> None:
+    """A CPU proxy: on gloo the header and the buffer are both host memory, so this shows
+    the copy is issued non-blocking (on a GPU, from pinned memory: queued, the host goes
+    on), not that a GPU overlaps it; reading received headers through a side stream runs
+    only on CUDA."""
+    run_workers(_header_copies, 2, timeout=120, pg_timeout=60)
+
+
+class DoneWork:
+    """A receive that has completed."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_headers_are_pinned_and_read_back_through_a_side_stream() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    with mock.patch.object(dist, "get_rank", return_value=0), \
+            mock.patch.object(dist, "get_backend", return_value="nccl"):
+        transport = Transport(None, device)  # no process group: only headers are read
+    assert transport._side is not None  # the stream headers are read back on
+    payload = torch.randn(3, 5, device=device)
+    header = wire.encode(Kind.GRAD, 3, -1, 0, True, False, [payload], [True], pin=True)
+    assert header.is_pinned()
+    spec = wire.spec_of([payload])
+    buffer = wire.pack(header, [payload], HEADER_BYTES + wire.nbytes(spec), device)
+    torch.cuda.synchronize()  # stands in for the receive the side stream would wait for
+    words = transport._arrival(_Posted(None, spec, buffer, DoneWork()))  # type: ignore[arg-type]
+    assert words == header.tolist()
+    assert torch.equal(wire.unpack(buffer, HEADER_BYTES, spec)[0], payload)

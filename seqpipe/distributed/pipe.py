@@ -16,13 +16,13 @@ from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.mesh import reverse_group
-from seqpipe.distributed.plan import OPENING, Planned, messages
+from seqpipe.distributed.plan import OPENING, Planned, call_actions, messages, pipeline_channels
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from seqpipe.partition import check_balance, verify_module
 from seqpipe.pipe import check_chunks
-from seqpipe.schedule import Action, Phase, Schedule, forward_phase, get_schedule, validate_schedule
+from seqpipe.schedule import Action, Phase, Schedule, get_schedule, validate_schedule
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
 
@@ -140,6 +140,9 @@ class DistributedPipe(nn.Module):
                           "buffers. Use group=None or seqpipe.distributed.mesh_groups, "
                           "which give each direction its own group", stacklevel=2)
         self._transport = Transport(group, self.device, reverse=reverse)
+        # NCCL makes a communicator per pair on first use: open them all now, in one order
+        self._transport.connect(pipeline_channels(self.schedule, self.num_stages, self.chunks,
+                                                  layout))
         self.data_parallel_group = data_parallel_group
         self._reducer: Optional[GradientReducer] = None
         if data_parallel_group is not None:
@@ -194,9 +197,7 @@ class DistributedPipe(nn.Module):
                 validate_schedule(self.schedule, self.num_stages, m, **_RUNS)
                 self._validated.add(m)
             k, me = self.num_stages, self.stage_index
-            actions = [list(self.schedule.actions(s, k, m)) for s in range(k)]
-            if not grad:
-                actions = [forward_phase(a) for a in actions]
+            actions = call_actions(self.schedule, k, m, grad)
             self._plans[(m, grad)] = _CallPlan(
                 actions[me],
                 {s: messages(s, me, actions, self._layout, grad) for s in range(k) if s != me},
@@ -209,6 +210,8 @@ class DistributedPipe(nn.Module):
         there are; then every stage knows its actions and the messages it will exchange."""
         transport = self._transport
         if self.is_first:
+            for s in range(1, self.num_stages):  # so that a failure from here on tells them
+                transport.will_send(s, [OPENING])
             if input is None:
                 raise ValueError("stage 0 needs the input batch; pass it on the first rank")
             batches = scatter(input, self.chunks)
@@ -222,7 +225,7 @@ class DistributedPipe(nn.Module):
         for s, planned in plan.incoming.items():
             transport.expect(s, planned[1:] if s == 0 else planned)  # STEP: taken above
         for s, planned in plan.outgoing.items():
-            transport.will_send(s, planned)
+            transport.will_send(s, planned[1:] if self.is_first else planned)  # STEP: above
         if self.is_first:
             for s in range(1, self.num_stages):
                 call.send(s, Kind.STEP, -1, [], count=len(batches))

@@ -15,17 +15,23 @@ The list mirrors what ``Call`` does: ``STEP`` from stage 0 when a call opens; fo
 forward, the outgoing skips (in layout order) and then the activation; for each backward,
 the input gradient and then the skip gradients (in layout order); and at the close, the
 loss from the last stage and ``DONE`` from the stage that finishes last.
+
+The pairs of stages that exchange messages at all (``channels``) are the only ones a
+pipeline ever talks over: it opens their communicators when it is built (NCCL creates one
+per pair on first use, and that blocks until both ends arrive), and a failure is relayed
+along them rather than sent to every stage (see ``Transport.abort``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 from seqpipe.distributed.wire import Kind
-from seqpipe.schedule import Action, Phase
+from seqpipe.schedule import Action, Phase, Schedule, forward_phase
 from seqpipe.skip.layout import SkipLayout
 
-__all__ = ["Planned", "OPENING", "messages", "closer"]
+__all__ = ["Planned", "OPENING", "call_actions", "messages", "closer", "channels",
+           "pipeline_channels"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,13 @@ OPENING = Planned(Kind.STEP, -1, -1, -1, -1)  # stage 0 -> every other stage, fi
 def closer(num_stages: int, grad: bool) -> int:
     """The stage that finishes a call last and releases the others with ``DONE``."""
     return 0 if grad else num_stages - 1
+
+
+def call_actions(schedule: Schedule, num_stages: int, m: int,
+                 grad: bool) -> List[List[Action]]:
+    """What every stage runs in a call of ``m`` micro-batches (forwards only without grad)."""
+    actions = [list(schedule.actions(s, num_stages, m)) for s in range(num_stages)]
+    return actions if grad else [forward_phase(a) for a in actions]
 
 
 def _positions(actions: Sequence[Action]) -> Dict[Action, int]:
@@ -91,3 +104,22 @@ def messages(src: int, dst: int, actions: Sequence[Sequence[Action]], layout: Sk
     if src == closer(num_stages, grad):
         out.append(Planned(Kind.DONE, -1, -1, sent_at, taken_at))
     return out
+
+
+def channels(actions: Sequence[Sequence[Action]], layout: SkipLayout,
+             grad: bool) -> Set[Tuple[int, int]]:
+    """Every ``(sender, receiver)`` pair of stages with a message in one call.
+
+    The same for any number of micro-batches: each kind of message is sent for every
+    micro-batch or once per call.
+    """
+    k = len(actions)
+    return {(src, dst) for src in range(k) for dst in range(k)
+            if messages(src, dst, actions, layout, grad)}
+
+
+def pipeline_channels(schedule: Schedule, num_stages: int, chunks: int,
+                      layout: SkipLayout) -> Set[Tuple[int, int]]:
+    """The pairs of ``channels`` that any call of a pipeline uses, training or not."""
+    return set().union(*(channels(call_actions(schedule, num_stages, chunks, grad), layout, grad)
+                         for grad in (True, False)))

@@ -3,8 +3,9 @@
 Data comes in through ``Transport`` messages; whatever arrives before it is needed waits
 in an inbox. Stage 0 opens every call by telling the others how many micro-batches it has
 cut; the last stage closes it by sending the loss (or just "done") to every other stage, so
-a failure anywhere reaches every rank: a failing stage sends an ABORT to all others, and
-a stage waiting on a peer that reports a failure, or dies, raises and passes it on.
+a failure anywhere reaches every rank: a failing stage sends an ABORT to the stages that
+still expect a message from it, and a stage waiting on a peer that reports a failure, or
+dies, raises and passes it on the same way (``Transport.abort``).
 
 The order in which a call sends its messages is the one ``seqpipe.distributed.plan``
 lists (every rank derives it to receive ahead); the transport checks each send against it.
@@ -71,11 +72,11 @@ class Call:
                 message = self.transport.recv(src)
             except PeerError as exc:
                 raise PeerError(f"{exc}\n  stage {self.index} was at {self.action}, waiting "
-                                f"for the {_WHAT[kind]} from stage {src}") from None
+                                f"for the {_WHAT[kind]} from stage {src}", peer=src) from None
             except Exception as exc:
                 raise PeerError(
                     f"stage {self.index} lost stage {src} while at {self.action}, waiting for "
-                    f"the {_WHAT[kind]}: {type(exc).__name__}: {exc}") from exc
+                    f"the {_WHAT[kind]}: {type(exc).__name__}: {exc}", peer=src) from exc
             self.inbox[(message.kind, message.microbatch, message.key)] = message
         return self.inbox.pop(wanted)
 
@@ -89,14 +90,15 @@ class Call:
         except Exception as exc:
             raise PeerError(
                 f"stage {self.index} lost stage {dst} while at {self.action}, sending the "
-                f"{_WHAT[kind]}: {type(exc).__name__}: {exc}") from exc
+                f"{_WHAT[kind]}: {type(exc).__name__}: {exc}", peer=dst) from exc
 
     def flush(self) -> None:
         """Wait for this call's sends to go out."""
         try:
             self.transport.flush()
         except PeerError as exc:
-            raise PeerError(f"stage {self.index} {exc} (at {self.action})") from exc
+            raise PeerError(f"stage {self.index} {exc} (at {self.action})",
+                            peer=exc.peer) from exc
 
     # -- actions -----------------------------------------------------------------------
     def forward(self, i: int, inputs: Optional[Sequence[Batch]], targets: Optional[Sequence[Any]],
@@ -178,7 +180,7 @@ class Call:
         try:
             yield
         except PeerError as exc:
-            self.abort(str(exc))
+            self.abort(str(exc), exc.peer)
             raise
         except Exception as exc:
             text = f"stage {self.index} failed in the {action}"
@@ -186,9 +188,9 @@ class Call:
             exc.add_note(f"seqpipe: {text}")
             raise
 
-    def abort(self, text: str) -> None:
-        others = [s for s in range(self.num_stages) if s != self.index]
-        self.transport.abort(others, text)
+    def abort(self, text: str, heard_from: Optional[int] = None) -> None:
+        """Pass the news on to the stages still expecting a message from this one."""
+        self.transport.abort(text, heard_from)
 
 
 def describe(action: Action) -> str:

@@ -11,10 +11,19 @@ posts the receives of a peer's next message, header *and* payload, sized as the 
 message was in the previous call, before the peer sends it, so the data is written straight
 into place; waiting for a header before posting the payload would put a second round trip
 on the critical path of every hop. The sender keeps the same record, so it knows what the
-receiver posted: when the shapes differ (first call, a new batch size, a ragged last
-micro-batch) it sends a buffer of the size the receiver posted, whose header says so, and
-the real payload after it: one extra round trip, only when shapes change. A failure notice
-is sized the same way, so it fills exactly what the peer posted.
+receiver posted: when the shapes differ it sends a buffer of the size the receiver posted,
+whose header says so, and the real payload after it (one extra round trip). A message whose
+shape has just changed is no longer trusted to keep it: the next call posts only its
+header, so while shapes keep changing (a sequence length that varies every step) each such
+message costs one header and one round trip more than the payload, and a stale payload-sized
+placeholder is sent only on the first change after a shape held (``_Seen``). Once the same
+shape comes twice in a row, the payload is received in place again. A failure notice is
+sized the same way, so it fills exactly what the peer posted.
+
+**Headers stay on the host side.** On a GPU a header is built in pinned memory and copied
+into the message buffer without blocking, and a received header is read back through a
+side stream that waits only for that receive: the host waits for the message to arrive, not
+for the compute queued before it, and never for a send.
 
 **One process group per direction.** Messages to a higher stage travel on ``group``,
 messages to a lower stage on ``reverse`` (same ranks). With NCCL, point-to-point operations
@@ -26,6 +35,14 @@ the same order on both ends. Gloo runs the same code (its pairs then get a socke
 direction). A pipeline on a group for which no second group could be made (see
 ``seqpipe.distributed.mesh``) uses its one group both ways; on NCCL it then posts each
 receive only when the message is needed.
+
+**Communicators and failures.** NCCL creates a communicator per pair of ranks of a group
+on first use, and that blocks until both ends arrive; ranks that first touch their pairs in
+different orders deadlock. ``connect`` opens, when the pipeline is built, every (group,
+pair) the plan will use, in one order all ranks agree on. A failure notice travels only
+over those pairs: each stage tells the stages that still expect a message from it, and a
+stage that hears of a failure passes it on the same way (``abort``), so no new
+communicator is ever needed after construction.
 
 **Letting go of sent tensors.** A sent tensor must stay alive until its send completes.
 The plan says when a message has certainly been taken (its receiver has since sent
@@ -66,12 +83,21 @@ if TYPE_CHECKING:
 
 __all__ = ["Kind", "Message", "Transport", "PeerError", "HEADER_SLOTS"]
 
+Channel = Tuple[int, int]  # (sending stage, receiving stage)
+
 _Sent = Tuple[int, dist.Work, Tensor]  # taken_at, work, the buffer it must keep alive
 _abandoned: List[object] = []  # receives and sends left behind by a failed call
 
 
 class PeerError(RuntimeError):
-    """Another stage failed; raised on every rank that was waiting on it."""
+    """Another stage failed; raised on every rank that was waiting on it.
+
+    ``peer``: the stage this rank heard it from (or lost), if known; it is not told again.
+    """
+
+    def __init__(self, *args: object, peer: Optional[int] = None) -> None:
+        super().__init__(*args)
+        self.peer = peer
 
 
 @dataclass
@@ -84,10 +110,38 @@ class _Posted:
     work: dist.Work
 
 
-def _last_spec(seen: Dict[Tuple[int, Kind, int, int], Spec], peer: int,
-               planned: Optional["Planned"]) -> Spec:
-    """The payload this planned message had in the previous call (none if unplanned)."""
-    return seen.get((peer, *planned.identity), ()) if planned else ()
+@dataclass(frozen=True)
+class _Seen:
+    """A planned message's payload in the previous call, and whether it is trusted to keep
+    it: a shape seen first, or the same twice in a row. Sender and receiver derive both
+    from the same payloads, so they agree on what the receiver posts."""
+
+    spec: Spec
+    trusted: bool
+
+    def then(self, spec: Spec) -> "_Seen":
+        return _Seen(spec, spec == self.spec)
+
+
+_Key = Tuple[int, Kind, int, int]  # peer, and the planned message's identity
+
+
+def _last_spec(seen: Dict[_Key, _Seen], peer: int, planned: Optional["Planned"]) -> Spec:
+    """The payload posted for this planned message: its last one if trusted, else none (a
+    header-only receive); none for an unplanned message."""
+    record = seen.get((peer, *planned.identity)) if planned else None
+    return record.spec if record is not None and record.trusted else ()
+
+
+def _saw(seen: Dict[_Key, _Seen], peer: int, planned: "Planned", spec: Spec) -> None:
+    key = (peer, *planned.identity)
+    record = seen.get(key)
+    seen[key] = _Seen(spec, True) if record is None else record.then(spec)
+
+
+def _started(work: Optional[dist.Work]) -> dist.Work:
+    assert work is not None  # isend/irecv return None only for ranks outside the group
+    return work
 
 
 class Transport:
@@ -114,9 +168,42 @@ class Transport:
         self._incoming: Dict[int, Deque[Planned]] = defaultdict(deque)
         self._outgoing: Dict[int, Deque[Planned]] = defaultdict(deque)
         self._posted: Dict[int, _Posted] = {}
-        self._seen_in: Dict[Tuple[int, Kind, int, int], Spec] = {}
-        self._seen_out: Dict[Tuple[int, Kind, int, int], Spec] = {}
+        self._seen_in: Dict[_Key, _Seen] = {}
+        self._seen_out: Dict[_Key, _Seen] = {}
         self._pending: Dict[int, List[_Sent]] = defaultdict(list)
+        self.sent_bytes = 0  # every buffer sent, headers and placeholders included
+        self._pin = device.type == "cuda"  # headers in pinned host memory, copied async
+        self._side = torch.cuda.Stream(device) if self._pin else None
+        self._arrived = torch.cuda.Event() if self._pin else None
+
+    # -- communicators -----------------------------------------------------------------
+    def _group_to(self, stage: int) -> Optional[dist.ProcessGroup]:
+        """The group carrying messages from this stage to ``stage``."""
+        return self.group if stage > self.index else self.reverse
+
+    def connect(self, channels: Iterable[Channel]) -> None:
+        """Open the communicator of every pair of stages in ``channels`` now, all ranks in
+        one order, so that no rank meets a first use its peer is not ready for.
+
+        NCCL creates a communicator per (group, pair of ranks) on its first operation, and
+        that blocks until both ranks arrive. Here every rank walks the same sorted list
+        (messages to higher stages, on ``group``, before those to lower stages, on
+        ``reverse``; pairs in order) and exchanges one byte on each of its own pairs,
+        waiting for it, so the first unfinished pair always has both ends ready. Every rank
+        must call it, with the same ``channels``.
+        """
+        links: Dict[Tuple[int, int, int], Channel] = {}
+        for src, dst in sorted(channels):
+            on_reverse = src > dst and self.reverse is not self.group
+            links.setdefault((int(on_reverse), min(src, dst), max(src, dst)), (src, dst))
+        token = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        for _, (src, dst) in sorted(links.items()):
+            if self.index == src:
+                group = self._group_to(dst)
+                self._wait(_started(dist.isend(token, dst=self._global(dst), group=group)))
+            elif self.index == dst:
+                group = self.group if src < dst else self.reverse
+                self._wait(_started(dist.irecv(token, src=self._global(src), group=group)))
 
     # -- a call's plan -----------------------------------------------------------------
     def begin(self) -> None:
@@ -143,16 +230,13 @@ class Transport:
         return dist.get_global_rank(self.group, stage) if self.group is not None else stage
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
-        group = self.group if stage > self.index else self.reverse
-        work = dist.isend(buffer, dst=self._global(stage), group=group)
-        assert work is not None
+        work = _started(dist.isend(buffer, dst=self._global(stage), group=self._group_to(stage)))
+        self.sent_bytes += buffer.numel()
         self._pending[stage].append((taken_at, work, buffer))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
         group = self.group if stage < self.index else self.reverse
-        work = dist.irecv(buffer, src=self._global(stage), group=group)
-        assert work is not None
-        return work
+        return _started(dist.irecv(buffer, src=self._global(stage), group=group))
 
     def _wait(self, work: dist.Work) -> None:
         if self.timeout is None:
@@ -185,8 +269,8 @@ class Transport:
         actual = spec_of(payload)
         reshaped = actual != expected
         taken_at = planned.taken_at if planned else sys.maxsize
-        header = encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags)
-        header = header.to(self.device)
+        header = encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
+                        pin=self._pin)
         if not reshaped:
             self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device),
                         stage, taken_at)
@@ -196,7 +280,7 @@ class Transport:
             if payload:
                 self._isend(pack(None, payload, nbytes(actual), self.device), stage, taken_at)
         if planned is not None:
-            self._seen_out[(stage, *planned.identity)] = actual
+            _saw(self._seen_out, stage, planned, actual)
             self._outgoing[stage].popleft()
 
     def _next_out(self, dst: int, identity: Tuple[Kind, int, int]) -> Optional["Planned"]:
@@ -217,11 +301,10 @@ class Transport:
         if stage not in self._posted:
             self._post(stage)
         posted = self._posted.pop(stage)
-        self._wait(posted.work)
-        header = posted.buffer[:HEADER_BYTES].view(torch.int64).tolist()
+        header = self._arrival(posted)
         kind, microbatch, key, count, atomic, reshaped, specs = decode(header)
         if kind is Kind.ABORT:
-            raise PeerError(decode_text(header))
+            raise PeerError(decode_text(header), peer=stage)
         planned = posted.planned
         if planned is not None and planned.identity != (kind, microbatch, key):
             raise RuntimeError(f"internal error: stage {stage} sent {(kind, microbatch, key)} "
@@ -238,13 +321,32 @@ class Transport:
                 self._wait(self._irecv(buffer, stage))
             payload = unpack(buffer, 0, spec)
         if planned is not None:
-            self._seen_in[(stage, *planned.identity)] = spec
+            _saw(self._seen_in, stage, planned, spec)
             self._release(stage, planned.sent_at)
         if self.ahead and self._incoming[stage]:
             self._post(stage)
         tensors = tuple(None if s is None else payload.pop(0) for s in specs)
         flags = tuple(bool(s and s[1]) for s in specs)
         return Message(kind, microbatch, key, tensors, flags, count, atomic)
+
+    def _arrival(self, posted: _Posted) -> List[int]:
+        """Wait for a posted receive; its header, read on the host.
+
+        On a GPU the wait and the copy of the header run on a side stream, so the host
+        waits for this message and 2 KiB, not for the compute queued on the current stream;
+        the current stream then waits for the receive before the payload is used.
+        """
+        if self._side is None or self._arrived is None:  # the buffer is host memory
+            self._wait(posted.work)
+            return posted.buffer[:HEADER_BYTES].view(torch.int64).tolist()
+        host = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(self._side):
+            self._wait(posted.work)  # makes the side stream, not the host, wait
+            host.copy_(posted.buffer[:HEADER_BYTES], non_blocking=True)
+            self._arrived.record(self._side)
+        self._arrived.synchronize()
+        torch.cuda.current_stream(self.device).wait_event(self._arrived)
+        return host.view(torch.int64).tolist()
 
     # -- releasing sends ---------------------------------------------------------------
     def _release(self, dst: int, before: int) -> None:
@@ -260,7 +362,7 @@ class Transport:
             work.wait()
         except Exception as exc:
             raise PeerError(f"lost stage {stage} while sending to it: "
-                            f"{type(exc).__name__}: {exc}") from exc
+                            f"{type(exc).__name__}: {exc}", peer=stage) from exc
 
     def pending_bytes(self) -> int:
         """Bytes of sent tensors still held until their sends are known to be complete."""
@@ -283,23 +385,28 @@ class Transport:
                                f"over: {left}, receives posted from {sorted(self._posted)}")
 
     # -- failure -----------------------------------------------------------------------
-    def abort(self, stages: Sequence[int], text: str,
+    def abort(self, text: str, heard_from: Optional[int] = None,
               patience: timedelta = timedelta(seconds=2)) -> None:
-        """Tell ``stages`` that this one failed, so they raise instead of waiting.
+        """Tell the stages that still expect a message from this one in this call that a
+        stage failed, so they raise instead of waiting (and pass it on the same way).
 
-        The news is one message (the text rides in the header), so a peer already waiting
-        on this stage gets all of it even if this process exits right after. It waits up to
-        ``patience`` for the sends to go out, polling rather than waiting with a timeout
-        (gloo closes a connection whose wait times out), and keeps unfinished sends and
-        posted receives alive (dropping one can cancel it); a dead peer cannot be told, and
-        is skipped. The transport refuses further calls: their messages would meet this
-        call's.
+        Only pairs the plan uses carry the news (another pair could need a new
+        communicator, which blocks on NCCL), and it reaches every stage: a stage waiting
+        on this one expects a message from it, so it is told, and passes it on. Stage
+        ``heard_from``, which told this one (or was lost), is not told back.
+
+        The news is one message (the text rides in the header), sized to fill what the
+        peer posted for its next message from this stage, so a peer already waiting gets
+        all of it even if this process exits right after. It waits up to ``patience`` for
+        the sends to go out, polling rather than waiting with a timeout (gloo closes a
+        connection whose wait times out), and keeps unfinished sends and posted receives
+        alive (dropping one can cancel it); a dead peer cannot be told, and is skipped.
+        The transport refuses further calls: their messages would meet this call's.
         """
         self.failure = text
-        header = encode_text(Kind.ABORT, text).to(self.device)
-        for stage in stages:
-            queue = self._outgoing[stage]
-            size = HEADER_BYTES + nbytes(self._expected_by(stage, queue[0] if queue else None))
+        header = encode_text(Kind.ABORT, text, pin=self._pin)
+        for stage in self.relay_to(heard_from):
+            size = HEADER_BYTES + nbytes(self._expected_by(stage, self._outgoing[stage][0]))
             try:
                 self._isend(pack(header, [], size, self.device), stage, sys.maxsize)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
@@ -314,3 +421,8 @@ class Transport:
         self._posted.clear()
         self._incoming.clear()
         self._outgoing.clear()
+
+    def relay_to(self, heard_from: Optional[int] = None) -> List[int]:
+        """The stages a failure notice from this one goes to: those that still expect a
+        message from it in this call, but ``heard_from``."""
+        return sorted(s for s, queue in self._outgoing.items() if queue and s != heard_from)

@@ -77,8 +77,8 @@ def pack(header: Optional[Tensor], tensors: Sequence[Tensor], size: int,
     """One byte buffer of ``size``: the header (if any), then each tensor, aligned."""
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     offset = 0
-    if header is not None:
-        buffer[:HEADER_BYTES].copy_(header.view(torch.uint8))
+    if header is not None:  # from pinned memory on a GPU: queued, the host does not wait
+        buffer[:HEADER_BYTES].copy_(header.view(torch.uint8), non_blocking=True)
         offset = HEADER_BYTES
     if not tensors:
         buffer[offset:].zero_()  # a placeholder: send zeros, not stale memory
@@ -99,7 +99,9 @@ def unpack(buffer: Tensor, offset: int, spec: Spec) -> List[Tensor]:
 
 
 def encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, reshaped: bool,
-            tensors: Sequence[Optional[Tensor]], flags: Sequence[bool]) -> Tensor:
+           tensors: Sequence[Optional[Tensor]], flags: Sequence[bool], *,
+           pin: bool = False) -> Tensor:
+    """The header of a message, on the host (in pinned memory with ``pin``)."""
     words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), int(reshaped), len(tensors)]
     for tensor, flag in zip(tensors, flags):
         if tensor is None:
@@ -113,17 +115,22 @@ def encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, resh
         raise ValueError(f"a message of {len(tensors)} tensors with these shapes needs "
                          f"{len(words)} header slots, more than {HEADER_SLOTS}; send fewer "
                          f"or lower-rank tensors between stages")
-    return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
+    return _header(words, pin)
 
 
-def encode_text(kind: Kind, text: str) -> Tensor:
+def _header(words: List[int], pin: bool) -> Tensor:
+    return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64,
+                        pin_memory=pin)
+
+
+def encode_text(kind: Kind, text: str, *, pin: bool = False) -> Tensor:
     """A header that carries a short UTF-8 text in its spare slots (one message, no tensors)."""
     room = (HEADER_SLOTS - _FIXED - 1) * 8
     data = text.encode("utf-8")[:room]
     data += b"\0" * (-len(data) % 8)
     words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, 0, len(data)]
     words += [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
-    return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
+    return _header(words, pin)
 
 
 def decode_text(header: List[int]) -> str:
