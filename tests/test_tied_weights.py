@@ -17,7 +17,7 @@ combine cases to keep the process count (at most 4) and the test time small:
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Tuple
 
 import pytest
 import torch
@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from distributed_harness import Failures, run_workers
-from seqpipe import Pipe
 from seqpipe.distributed import DistributedPipe, mesh_groups
 from seqpipe.distributed.checkpoint import load, load_into_plain, save
 from seqpipe.distributed.ties import SharedBufferError, Tie, find_ties
@@ -102,6 +101,7 @@ def _language_model(rank: int, world: int) -> None:
         _meta_built(failures)
         _unequal_copies(rank)
         _drifted_copies(rank)
+        _shared_buffer()
     failures.finish()
 
 
@@ -160,3 +160,212 @@ def _drifted_copies(rank: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_tied_embedding_and_head_train_like_the_plain_model(world: int) -> None:
     run_workers(_language_model, world, timeout=240)
+
+
+class Block(nn.Module):
+    """A layer around a submodule that another layer may share."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.inner(x)) + x
+
+
+def _shared_buffer() -> None:
+    norm = nn.BatchNorm1d(WIDTH)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Block(norm), nn.Linear(WIDTH, WIDTH),
+                          Block(norm))
+    with pytest.raises(SharedBufferError, match=r"the buffer '1\.inner\.running_mean' "
+                                                r"\(also '3\.inner\.running_mean'\) is shared "
+                                                r"by layers of stages \[0, 1\].*balance="):
+        DistributedPipe(model, chunks=2, balance=[2, 2])
+
+
+def test_find_ties_lists_every_name_and_stage() -> None:
+    shared = nn.Linear(4, 4)
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    model = nn.Sequential(first, Block(shared), nn.Tanh(), Block(shared), last)
+    ties = find_ties(model, [2, 1, 2])
+    assert [(t.names, t.stages) for t in ties] == [
+        (("0.weight", "4.weight"), (0, 2)),
+        (("1.inner.weight", "3.inner.weight"), (0, 2)),
+        (("1.inner.bias", "3.inner.bias"), (0, 2))]
+    assert ties[0] == Tie(("0.weight", "4.weight"), (0, 2), (4, 4), torch.float32, True)
+    assert find_ties(model, [5]) == []  # one stage: nothing to tie across
+
+
+# ---------------------------------------------------------------------------- 4 ranks
+
+def many_ties() -> nn.Sequential:
+    """Four stages ``[2, 2, 2, 3]``: weight ties between stages 0-2 and 1-3, and a
+    submodule (weight and bias) reused in stages 0 and 3."""
+    torch.manual_seed(1)
+    a, b, a2, b2 = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+    a2.weight, b2.weight = a.weight, b.weight
+    shared = nn.Linear(WIDTH, WIDTH)
+    return nn.Sequential(a, Block(shared), b, nn.Tanh(), a2, nn.Tanh(), b2, Block(shared),
+                         nn.Linear(WIDTH, 3)).double()
+
+
+def vectors(step: int) -> Tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(30 + step)
+    return (torch.randn(12, WIDTH, generator=gen, dtype=torch.float64),
+            torch.randn(12, 3, generator=gen, dtype=torch.float64))
+
+
+def _four(rank: int, world: int) -> None:
+    failures = Failures(rank, TOL)
+    for schedule in ("fill_drain", "1f1b"):
+        pipe = DistributedPipe(many_ties(), chunks=4, balance=[2, 2, 2, 3], schedule=schedule)
+        failures.expect([(t.names, t.stages) for t in pipe.ties] == [
+            (("0.weight", "4.weight"), (0, 2)), (("1.inner.weight", "7.inner.weight"), (0, 3)),
+            (("1.inner.bias", "7.inner.bias"), (0, 3)), (("2.weight", "6.weight"), (1, 3))],
+            f"ties found: {[(t.names, t.stages) for t in pipe.ties]}")
+        train_against_plain(pipe, many_ties(), vectors, F.mse_loss, failures, schedule)
+        pipe.check_ties()
+    trio = dist.new_group([0, 1, 2])  # rank 3 stays out: the sums run over the trio
+    if rank < 3:
+        pipe = DistributedPipe(language_model(), chunks=3, balance=[2, 2, 1], group=trio)
+        train_against_plain(pipe, language_model(), tokens, F.cross_entropy, failures, "trio")
+        pipe.check_ties()
+    _pipeline_by_data(rank, failures)
+    failures.finish()
+
+
+def _pipeline_by_data(rank: int, failures: Failures) -> None:
+    """2 stages × 2 replicas, each replica on half the batch: the tie's gradient is the
+    plain model's on the whole batch (mean over replicas, sum over the tie)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh_groups(mesh)
+    replica = dist.get_rank(dp)
+    pipe = DistributedPipe(language_model(), chunks=2, balance=[2, 3], schedule="1f1b",
+                           group=pp, data_parallel_group=dp)
+    reference = language_model()
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    theirs = named(reference)
+    for step in range(3):
+        x, y = tokens(step)
+        half = slice(replica * 6, replica * 6 + 6)
+        opt.zero_grad()
+        pipe.train_step(x[half] if pipe.is_first else None, y[half] if pipe.is_last else None,
+                        F.cross_entropy)
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        for name, param in named(pipe).items():
+            failures.close(param.grad, theirs[name].grad, f"pp x dp: grad of {name}, step {step}")
+        opt.step()
+        ref_opt.step()
+    pipe.check_ties()
+
+
+def test_ties_between_any_stages_and_with_data_parallelism() -> None:
+    run_workers(_four, 4, timeout=300)
+
+
+# ------------------------------------------------------------------------- checkpoints
+
+def _trained_plain(steps: int) -> Tuple[nn.Sequential, torch.optim.Optimizer]:
+    model = language_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = tokens(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def _momentum(opt: torch.optim.Optimizer, model: nn.Module) -> Dict[str, Tensor]:
+    return {name: opt.state[p]["momentum_buffer"] for name, p in named(model).items()}
+
+
+def _checkpoints(rank: int, world: int, folder: str) -> None:
+    failures = Failures(rank, TOL)
+    reference, ref_opt = _trained_plain(2)
+    pipe = DistributedPipe(language_model(), chunks=3, balance=[2, 2, 1])
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        x, y = tokens(step)
+        opt.zero_grad()
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        F.cross_entropy)
+        opt.step()
+    save(pipe, opt, os.path.join(folder, "pipe"))
+    expected = _momentum(ref_opt, reference)
+    for path in ("pipe", "plain"):  # into another layout, from a pipeline and a plain model
+        other = DistributedPipe(language_model(), chunks=3, balance=[3, 1, 1])
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.5, momentum=0.5)
+        load(other, other_opt, os.path.join(folder, path))
+        for name, param in named(other).items():
+            failures.close(param.detach(), named(reference)[name].detach(),
+                           f"{path} -> [3, 1, 1]: {name}")
+            failures.close(other_opt.state[param]["momentum_buffer"], expected[name],
+                           f"{path} -> [3, 1, 1]: momentum of {name}")
+        other.check_ties()
+    pair = dist.new_group([0, 1])
+    if rank < 2:  # two stages on two of the ranks; the third loads a plain model meanwhile
+        two = DistributedPipe(language_model(), chunks=3, balance=[2, 3], group=pair)
+        two_opt = torch.optim.SGD(two.parameters(), lr=0.5, momentum=0.5)
+        load(two, two_opt, os.path.join(folder, "pipe"), process_group=pair)
+        train_against_plain_continued(two, two_opt, reference, ref_opt, failures)
+    else:
+        plain = language_model()
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.5)
+        load_into_plain(plain, plain_opt, os.path.join(folder, "pipe"))
+        failures.expect(plain[0].weight is plain[4].weight, "the plain model's tie is broken")
+        failures.close(plain[0].weight.detach(), reference[0].weight.detach(), "plain: tie")
+        failures.close(plain_opt.state[plain[0].weight]["momentum_buffer"],
+                       expected["0.weight"], "plain: momentum of the tie")
+    failures.finish()
+
+
+def train_against_plain_continued(pipe: DistributedPipe, opt: torch.optim.Optimizer,
+                                  reference: nn.Sequential, ref_opt: torch.optim.Optimizer,
+                                  failures: Failures) -> None:
+    """One more step after loading: the loaded momentum and lr act on every copy."""
+    x, y = tokens(2)
+    opt.zero_grad()
+    pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.cross_entropy)
+    opt.step()
+    ref_opt.zero_grad()
+    F.cross_entropy(reference(x), y).backward()
+    ref_opt.step()
+    for name, param in named(pipe).items():
+        failures.close(param.detach(), named(reference)[name].detach(),
+                       f"loaded [2, 3], one more step: {name}")
+    pipe.check_ties()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoints_keep_a_tie_once_and_load_it_into_every_copy(tmp_path: Any) -> None:
+    reference, ref_opt = _trained_plain(2)
+    save(reference, ref_opt, tmp_path / "plain")
+    run_workers(_checkpoints, 3, str(tmp_path), timeout=240)
+    for path in ("pipe", "plain"):
+        keys = set(dcp.FileSystemReader(tmp_path / path).read_metadata().state_dict_metadata)
+        assert "model.0.weight" in keys and "model.4.weight" not in keys, sorted(keys)
+        assert "optim.state.0.weight.momentum_buffer" in keys, sorted(keys)
+        assert not any(k.startswith(("optim.state.4.", "optim.param_groups.4."))
+                       for k in keys), sorted(keys)
+    plain = language_model()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.5)
+    load_into_plain(plain, opt, tmp_path / "pipe")
+    assert plain[0].weight is plain[4].weight
+    torch.testing.assert_close(plain.state_dict(), reference.state_dict(), **TOL)
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_both_names_of_a_tie_still_loads_strictly(tmp_path: Any) -> None:
+    """``dcp.save`` of a plain state dict keeps every name; loading takes the first."""
+    reference, _ = _trained_plain(1)
+    dcp.save({"model": reference.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    plain = language_model()
+    load_into_plain(plain, None, tmp_path)
+    assert plain[0].weight is plain[4].weight
+    torch.testing.assert_close(plain.state_dict(), reference.state_dict(), **TOL)
+

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from seqpipe.distributed.mesh import mesh_groups
 from seqpipe.distributed.pipe import DistributedPipe
+from seqpipe.distributed.ties import SharedBufferError
 from seqpipe.distributed.transport import PeerError
 
-__all__ = ["DistributedPipe", "PeerError", "mesh_groups"]
+__all__ = ["DistributedPipe", "PeerError", "SharedBufferError", "mesh_groups"]

@@ -118,12 +118,11 @@ class DistributedPipe(nn.Module):
         stop = start + self.balance[self.stage_index]
         named = list(module.named_children())
         partition = nn.Sequential(*(layer for _, layer in named[start:stop]))
-        mine = {id(t) for t in (*partition.parameters(), *partition.buffers())}
         for n, (name, layer) in enumerate(named):
             if start <= n < stop:
                 self.add_module(name, layer)
             else:
-                drop_layer(layer, mine)  # not ours: free it (but not what we share)
+                drop_layer(layer, keep=partition)  # not ours: free it (but not what we share)
         tied_on_meta = self._tied_on_meta()
         with ties_kept(partition):
             _materialize(partition, self.device)

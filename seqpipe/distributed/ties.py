@@ -8,8 +8,8 @@ is the sum of both uses. Across processes each stage that uses it holds a copy, 
 * **finding**: at construction, every tensor object reachable from layers of two or more
   stages is a tie (by assignment, or one submodule reused inside two layers); the ranks
   agree on the list, since each computes it from the same model;
-* **keeping**: a rank frees the layers it does not own by moving them to ``meta``; a
-  tied tensor it also uses is first unhooked from them, so the move cannot touch it;
+* **keeping**: a rank frees the layers it does not own by giving their tensors ``meta``
+  stand-ins, but leaves alone the tensors and submodules its own layers share with them;
 * **training**: after the step's backward, each tie's gradient is summed over the ranks
   that hold a copy (one all-reduce per tie), so every copy's ``.grad`` is the
   unpipelined model's and identical optimizer steps keep the copies identical;
@@ -36,7 +36,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -109,22 +109,34 @@ def find_ties(module: nn.Sequential, balance: Sequence[int]) -> List[Tie]:
     return ties
 
 
-def drop_layer(layer: nn.Module, keep: Set[int]) -> None:
-    """Free a layer this rank does not run (move it to ``meta``), leaving alone the
-    tensors in ``keep`` (ids) that this rank's own layers share with it.
+def drop_layer(layer: nn.Module, keep: nn.Module) -> None:
+    """Free a layer this rank does not run: give its parameters and buffers ``meta``
+    stand-ins, except the modules and tensors that ``keep`` (this rank's own layers)
+    shares with it, which are left exactly as they are.
 
-    Moving the layer would otherwise convert a shared tensor in place where torch does so
-    (``torch.__future__.set_swap_module_params_on_conversion``): the rank's own layer
-    would be left holding a ``meta`` tensor.
+    ``layer.to("meta")`` would not do: a submodule reused in ``keep`` would go to ``meta``
+    for both, and where torch converts tensors in place
+    (``torch.__future__.set_swap_module_params_on_conversion``) so would a tied tensor.
     """
-    for module in layer.modules():
+    modules = {id(m) for m in keep.modules()}
+    tensors = {id(t) for t in chain(keep.parameters(), keep.buffers())}
+    pending = [layer]
+    while pending:
+        module = pending.pop()
+        if id(module) in modules:
+            continue
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
-                if tensor is not None and id(tensor) in keep:
-                    copy = torch.empty_like(tensor, device="meta")
-                    table[name] = (nn.Parameter(copy, tensor.requires_grad)
-                                   if isinstance(tensor, nn.Parameter) else copy)
-    layer.to("meta")
+                if tensor is not None and id(tensor) not in tensors and not tensor.is_meta:
+                    table[name] = _on_meta(tensor)
+        pending.extend(m for m in module._modules.values() if m is not None)
+
+
+def _on_meta(tensor: Tensor) -> Tensor:
+    stand_in = torch.empty_like(tensor, device="meta")
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(stand_in, tensor.requires_grad)
+    return stand_in
 
 
 def _slots(module: nn.Module) -> List[Tuple[Dict[str, Optional[Tensor]], str, int]]:
