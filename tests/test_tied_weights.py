@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, mesh_groups
 from seqpipe.distributed.checkpoint import load, load_into_plain, save
-from seqpipe.distributed.ties import SharedBufferError, Tie, find_ties
+from seqpipe.distributed.ties import SharedBufferError, Tie, drop_layer, find_ties, ties_kept
 
 VOCAB, WIDTH = 20, 8
 TOL = dict(atol=1e-12, rtol=1e-10)
@@ -195,6 +195,39 @@ def test_find_ties_lists_every_name_and_stage() -> None:
         (("1.inner.bias", "3.inner.bias"), (0, 2))]
     assert ties[0] == Tie(("0.weight", "4.weight"), (0, 2), (4, 4), torch.float32, True)
     assert find_ties(model, [5]) == []  # one stage: nothing to tie across
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_dropping_a_layer_leaves_what_the_kept_layers_share(swap: bool) -> None:
+    """A tied tensor and a reused submodule stay real for the layers that keep them, also
+    where torch converts tensors in place (``layer.to("meta")`` would turn both to meta)."""
+    shared = nn.Linear(4, 4)
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    kept = nn.Sequential(first, Block(shared))
+    dropped = nn.Sequential(Block(shared), last)
+    before = first.weight.detach().clone()
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        drop_layer(dropped, keep=kept)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(old)
+    assert last.bias.is_meta and not last.weight.is_meta  # its own tensor is freed
+    assert last.weight is first.weight and torch.equal(first.weight, before)
+    assert dropped[0].inner is shared and not shared.weight.is_meta
+
+
+def test_materialising_a_stage_keeps_the_ties_inside_it() -> None:
+    """``to_empty`` gives every entry a new tensor; a tie inside one stage survives it."""
+    with torch.device("meta"):
+        first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    stage = nn.Sequential(first, second)
+    with ties_kept(stage):
+        stage.to_empty(device="cpu")
+    assert second.weight is first.weight and not first.weight.is_meta
+    assert second.bias is not first.bias
 
 
 # ---------------------------------------------------------------------------- 4 ranks
