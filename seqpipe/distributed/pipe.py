@@ -73,7 +73,10 @@ class DistributedPipe(nn.Module):
     its own layers, on ``device``, registered under their names in the original
     ``nn.Sequential`` (so ``state_dict()`` keys are ``"4.weight"``, and the ranks' state
     dicts together are the unpipelined model's); the other layers are moved to the
-    ``meta`` device, which frees them.
+    ``meta`` device, which frees them. A parameter that layers of several stages share
+    (tied weights) has a copy on each of them, whose gradients are summed after every
+    step (see ``seqpipe.distributed.ties``; ``ties`` lists them, ``check_ties`` compares
+    the copies).
 
     Args:
         module: the whole model, the same on every rank (``meta`` tensors are fine).
