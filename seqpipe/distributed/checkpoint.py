@@ -116,6 +116,11 @@ def _state_dicts(module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
     return {_MODEL: model, _OPTIM: optim}
 
 
+def _aliases(module: nn.Module) -> Dict[str, str]:
+    """Second names of shared tensors (tied weights), mapped to the first ones."""
+    return canonical_names(module, module.ties if isinstance(module, DistributedPipe) else ())
+
+
 def _optim_key(key: str, aliases: Dict[str, str]) -> str:
     """A flattened optimizer-state key (``"state.4.weight.momentum_buffer"``) under the
     parameter's first name (``"state.0.weight.momentum_buffer"``)."""
@@ -159,7 +164,7 @@ def save(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: Pa
     Keys: ``"model.<original key>"``, ``"optim.state.<param>.<name>"`` and
     ``"optim.param_groups.<param>.<hyperparameter>"``.
     """
-    state = _kept(_state_dicts(module, optimizer, for_load=False), canonical_names(module))
+    state = _kept(_state_dicts(module, optimizer, for_load=False), _aliases(module))
     _dcp("saving", path, dcp.save, state, checkpoint_id=path, process_group=process_group)
 
 
@@ -197,7 +202,7 @@ def load_into_plain(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 def _load(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: PathLike, *,
           process_group: Optional[dist.ProcessGroup], strict: bool, no_dist: bool) -> None:
     local = _state_dicts(module, optimizer, for_load=True)
-    aliases = canonical_names(module)
+    aliases = _aliases(module)
     kept = _kept(local, aliases)
     if strict:
         _check_no_unexpected(module, kept[_MODEL], aliases, path, no_dist)

@@ -147,7 +147,8 @@ def _slots(module: nn.Module) -> List[Tuple[Dict[str, Optional[Tensor]], str, in
 
 @contextmanager
 def ties_kept(module: nn.Module) -> Iterator[None]:
-    """Restore, after the block, the sharing between ``module``'s parameter entries.
+    """Restore, after the block, the sharing between ``module``'s parameter and buffer
+    entries.
 
     ``Module.to_empty`` (materialising a ``meta`` model) gives every entry a new tensor,
     so two layers of one stage that shared a parameter would each get their own.
@@ -162,19 +163,19 @@ def ties_kept(module: nn.Module) -> Iterator[None]:
             table[name] = first[old]
 
 
-def canonical_names(module: nn.Module) -> Dict[str, str]:
+def canonical_names(module: nn.Module, ties: Sequence[Tie] = ()) -> Dict[str, str]:
     """Each state-dict key of ``module`` that is a second name of a shared tensor, mapped to
     the tensor's first name in the unpipelined model (the key a checkpoint keeps).
 
-    Covers tensors shared inside ``module`` and, for a ``DistributedPipe``, its ties
-    across stages (``module.ties``).
+    Covers tensors shared inside ``module`` and ``ties`` across stages (a
+    ``DistributedPipe``'s ``ties``).
     """
     first: Dict[int, str] = {}
     out: Dict[str, str] = {}
     for name, tensor in chain(module.named_parameters(remove_duplicate=False),
                               module.named_buffers(remove_duplicate=False)):
         out[name] = first.setdefault(id(tensor), name)
-    for tie in getattr(module, "ties", ()):
+    for tie in ties:
         for name in tie.names:
             if name in out:
                 out[name] = tie.name
