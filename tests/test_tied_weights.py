@@ -209,13 +209,16 @@ def test_dropping_a_layer_leaves_what_the_kept_layers_share(swap: bool) -> None:
     before = first.weight.detach().clone()
     old = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(swap)
+    unrelated = nn.Linear(4, 4)
     try:
         drop_layer(dropped, keep=kept)
+        drop_layer(unrelated, keep=kept)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(old)
     assert last.bias.is_meta and not last.weight.is_meta  # its own tensor is freed
     assert last.weight is first.weight and torch.equal(first.weight, before)
     assert dropped[0].inner is shared and not shared.weight.is_meta
+    assert unrelated.weight.is_meta and unrelated.bias.is_meta
 
 
 def test_materialising_a_stage_keeps_the_ties_inside_it() -> None:

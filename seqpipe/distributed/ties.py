@@ -114,12 +114,18 @@ def drop_layer(layer: nn.Module, keep: nn.Module) -> None:
     stand-ins, except the modules and tensors that ``keep`` (this rank's own layers)
     shares with it, which are left exactly as they are.
 
-    ``layer.to("meta")`` would not do: a submodule reused in ``keep`` would go to ``meta``
+    ``layer.to("meta")`` does for a layer that shares nothing with ``keep`` (it also lets
+    a module that caches its tensors, like an RNN's flat weights, update the cache). For
+    one that shares, it would not do: a submodule reused in ``keep`` would go to ``meta``
     for both, and where torch converts tensors in place
     (``torch.__future__.set_swap_module_params_on_conversion``) so would a tied tensor.
     """
     modules = {id(m) for m in keep.modules()}
     tensors = {id(t) for t in chain(keep.parameters(), keep.buffers())}
+    if not any(id(m) in modules for m in layer.modules()) and not any(
+            id(t) in tensors for t in chain(layer.parameters(), layer.buffers())):
+        layer.to("meta")
+        return
     pending = [layer]
     while pending:
         module = pending.pop()
