@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, mesh_groups
-from seqpipe.distributed.checkpoint import load, load_into_plain, save
+from seqpipe.distributed.checkpoint import gather_full_state_dict, load, load_into_plain, save
 from seqpipe.distributed.ties import SharedBufferError, Tie, drop_layer, find_ties, ties_kept
 
 VOCAB, WIDTH = 20, 8
@@ -331,6 +331,12 @@ def _checkpoints(rank: int, world: int, folder: str) -> None:
                         F.cross_entropy)
         opt.step()
     save(pipe, opt, os.path.join(folder, "pipe"))
+    full = gather_full_state_dict(pipe)  # every name, as the plain model's state_dict()
+    if rank == 0:
+        assert full is not None
+        failures.expect(list(full) == list(reference.state_dict()), f"gathered {list(full)}")
+        for key, value in reference.state_dict().items():
+            failures.close(full.get(key), value, f"gathered {key}")
     expected = _momentum(ref_opt, reference)
     for path in ("pipe", "plain"):  # into another layout, from a pipeline and a plain model
         other = DistributedPipe(language_model(), chunks=3, balance=[3, 1, 1])
