@@ -7,10 +7,13 @@ combine cases to keep the process count (at most 4) and the test time small:
 * 2 and 3 ranks: a language model whose embedding (stage 0) is tied to its output
   projection (last stage), both schedules, every checkpoint mode, three SGD steps against
   the plain model; on 2 ranks also a model built on ``meta``, copies made unequal before
-  construction (every rank raises), and ``check_ties`` after a copy drifts;
-* 4 ranks: ties between non-adjacent stages (0-2 and 1-3) and a submodule reused in
-  stages 0 and 3; the language model on a hand-made group of 3 of the 4 ranks (the sum
-  then runs over the pipeline group); 2 stages × 2 replicas with a tie;
+  construction (every rank raises), ``check_ties`` after a copy drifts, and a buffer
+  shared across stages (every rank raises);
+* 4 ranks: ties between non-adjacent stages (0-2 and 1-3; with at most 4 ranks no two
+  middle stages are apart) and a submodule reused in stages 0 and 3, summed on groups
+  of their holders; the language model on a hand-made group of 3 of the 4 ranks (the
+  sum then runs over the pipeline group); 2 stages × 2 replicas from ``mesh_groups``
+  with a tie (holders' groups made for both pipelines);
 * 3 ranks: a DCP checkpoint that keeps the tie once and loads into another layout and
   into a plain model, with the tie intact.
 """
