@@ -263,11 +263,15 @@ def _four(rank: int, world: int) -> None:
             (("0.weight", "4.weight"), (0, 2)), (("1.inner.weight", "7.inner.weight"), (0, 3)),
             (("1.inner.bias", "7.inner.bias"), (0, 3)), (("2.weight", "6.weight"), (1, 3))],
             f"ties found: {[(t.names, t.stages) for t in pipe.ties]}")
+        _expect_holder_groups(pipe, failures, schedule)
         train_against_plain(pipe, many_ties(), vectors, F.mse_loss, failures, schedule)
         pipe.check_ties()
     trio = dist.new_group([0, 1, 2])  # rank 3 stays out: the sums run over the trio
     if rank < 3:
         pipe = DistributedPipe(language_model(), chunks=3, balance=[2, 2, 1], group=trio)
+        tied = pipe._tied
+        assert tied is not None
+        failures.expect(tied.sum_groups == [trio], "trio: the sum runs over the pipeline group")
         train_against_plain(pipe, language_model(), tokens, F.cross_entropy, failures, "trio")
         pipe.check_ties()
     _pipeline_by_data(rank, failures)
@@ -282,6 +286,7 @@ def _pipeline_by_data(rank: int, failures: Failures) -> None:
     replica = dist.get_rank(dp)
     pipe = DistributedPipe(language_model(), chunks=2, balance=[2, 3], schedule="1f1b",
                            group=pp, data_parallel_group=dp)
+    _expect_holder_groups(pipe, failures, "pp x dp")
     reference = language_model()
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -299,6 +304,21 @@ def _pipeline_by_data(rank: int, failures: Failures) -> None:
         opt.step()
         ref_opt.step()
     pipe.check_ties()
+
+
+def _expect_holder_groups(pipe: DistributedPipe, failures: Failures, what: str) -> None:
+    """Each tie's sum runs on a group of exactly its holders' ranks in this pipeline."""
+    tied = pipe._tied
+    assert tied is not None
+    ranks = dist.get_process_group_ranks(pipe.group if pipe.group is not None
+                                         else dist.group.WORLD)  # type: ignore[arg-type]
+    for tie, group in zip(pipe.ties, tied.sum_groups):
+        holders = [ranks[s] for s in tie.stages]
+        if pipe.stage_index in tie.stages:
+            failures.expect(group is not None and dist.get_process_group_ranks(group)
+                            == holders, f"{what}: {tie.name} sums over {holders}")
+        else:
+            failures.expect(group is None, f"{what}: stage {pipe.stage_index} sums {tie.name}")
 
 
 def test_ties_between_any_stages_and_with_data_parallelism() -> None:
