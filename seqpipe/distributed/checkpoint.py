@@ -21,7 +21,13 @@ work for pipelines, so every caller makes them the same way:
 * ``strict`` loading also rejects a checkpoint with *more* model entries than the model
   (DCP alone only rejects missing ones, so a bigger model's checkpoint would load);
 * ``load_into_plain`` loads into one unpipelined model in one process, with or without
-  a process group.
+  a process group;
+* a tensor with several names (tied weights: ``head.weight = embedding.weight``) is kept
+  once, under its first name in the unpipelined model (``"0.weight"``), model state and
+  optimizer state alike; on loading, every name of it (every stage's copy of a tie
+  across stages) gets that entry. The unpipelined model's optimizer already keys the
+  tensor by its first name, so the checkpoint moves between plain models, ``Pipe`` and
+  ``DistributedPipe`` of any layout, and a plain model loads it with the tie intact.
 
 ``gather_full_state_dict`` is the other way to keep a model: the whole state dict on one
 rank, for ``torch.save``. Only tensors travel (names as UTF-8 bytes in a ``uint8``
@@ -49,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from seqpipe.distributed.pipe import DistributedPipe
+from seqpipe.distributed.ties import canonical_names
 
 __all__ = ["OPTIONS", "CheckpointError", "save", "load", "load_into_plain",
            "gather_full_state_dict"]
@@ -109,6 +116,42 @@ def _state_dicts(module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
     return {_MODEL: model, _OPTIM: optim}
 
 
+def _aliases(module: nn.Module) -> Dict[str, str]:
+    """Second names of shared tensors (tied weights), mapped to the first ones."""
+    return canonical_names(module, module.ties if isinstance(module, DistributedPipe) else ())
+
+
+def _optim_key(key: str, aliases: Dict[str, str]) -> str:
+    """A flattened optimizer-state key (``"state.4.weight.momentum_buffer"``) under the
+    parameter's first name (``"state.0.weight.momentum_buffer"``)."""
+    for section in ("state.", "param_groups."):
+        if key.startswith(section):
+            rest = key[len(section):]
+            for alias, first in aliases.items():
+                if rest.startswith(alias + "."):
+                    return section + first + rest[len(alias):]
+    return key
+
+
+def _kept(state: Dict[str, Dict[str, Any]],
+          aliases: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
+    """``state`` as the checkpoint keeps it: each shared tensor once, by its first name."""
+    model: Dict[str, Any] = {}
+    optim: Dict[str, Any] = {}
+    for key, value in state[_MODEL].items():
+        model.setdefault(aliases.get(key, key), value)
+    for key, value in state[_OPTIM].items():
+        optim.setdefault(_optim_key(key, aliases), value)
+    return {_MODEL: model, _OPTIM: optim}
+
+
+def _restored(local: Dict[str, Dict[str, Any]], kept: Dict[str, Dict[str, Any]],
+              aliases: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
+    """The loaded ``kept`` entries under every local name (each copy of a tie gets one)."""
+    return {_MODEL: {k: kept[_MODEL][aliases.get(k, k)] for k in local[_MODEL]},
+            _OPTIM: {k: kept[_OPTIM][_optim_key(k, aliases)] for k in local[_OPTIM]}}
+
+
 def save(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: PathLike, *,
          process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Write ``module`` and ``optimizer`` to the sharded DCP checkpoint directory ``path``.
@@ -121,8 +164,8 @@ def save(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: Pa
     Keys: ``"model.<original key>"``, ``"optim.state.<param>.<name>"`` and
     ``"optim.param_groups.<param>.<hyperparameter>"``.
     """
-    _dcp("saving", path, dcp.save, _state_dicts(module, optimizer, for_load=False),
-         checkpoint_id=path, process_group=process_group)
+    state = _kept(_state_dicts(module, optimizer, for_load=False), _aliases(module))
+    _dcp("saving", path, dcp.save, state, checkpoint_id=path, process_group=process_group)
 
 
 def load(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: PathLike, *,
@@ -158,31 +201,38 @@ def load_into_plain(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 
 def _load(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: PathLike, *,
           process_group: Optional[dist.ProcessGroup], strict: bool, no_dist: bool) -> None:
-    state = _state_dicts(module, optimizer, for_load=True)
+    local = _state_dicts(module, optimizer, for_load=True)
+    aliases = _aliases(module)
+    kept = _kept(local, aliases)
     if strict:
-        _check_no_unexpected(module, state[_MODEL], path, no_dist)
-    _dcp("loading", path, dcp.load, state, checkpoint_id=path, process_group=process_group,
+        _check_no_unexpected(module, kept[_MODEL], aliases, path, no_dist)
+    _dcp("loading", path, dcp.load, kept, checkpoint_id=path, process_group=process_group,
          no_dist=no_dist)
+    state = _restored(local, kept, aliases)
     if state[_MODEL]:
         set_model_state_dict(module, state[_MODEL], options=OPTIONS)
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, state[_OPTIM], options=OPTIONS)
 
 
-def _check_no_unexpected(module: nn.Module, model_state: Dict[str, Any], path: PathLike,
-                         no_dist: bool) -> None:
+def _check_no_unexpected(module: nn.Module, model_state: Dict[str, Any],
+                         aliases: Dict[str, str], path: PathLike, no_dist: bool) -> None:
     """Raise if the checkpoint has more model entries than all stages hold together.
 
     Missing entries are DCP's to report. For a ``DistributedPipe`` the stages add up their
     counts over the pipeline group, so every rank reaches the same verdict and raises
-    together (none is left waiting in a collective).
+    together (none is left waiting in a collective). A tie across stages counts once (on
+    its first stage); a second name of a shared tensor that the checkpoint holds (one
+    saved by ``dcp.save`` of a plain state dict) counts as expected.
     """
     metadata = dcp.FileSystemReader(path).read_metadata()
     prefix = _MODEL + "."
     saved = sorted(k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix))
-    count = len(model_state)
+    count = len(model_state) + len(set(saved) & set(aliases))
     distributed = isinstance(module, DistributedPipe) and not no_dist
     if isinstance(module, DistributedPipe) and not no_dist:
+        count -= sum(t.name in model_state for t in module.ties
+                     if t.stages[0] != module.stage_index)  # counted by its first stage
         total = torch.tensor([count], dtype=torch.int64, device=module.device)
         dist.all_reduce(total, group=module.group)
         count = int(total.item())
@@ -194,10 +244,10 @@ def _check_no_unexpected(module: nn.Module, model_state: Dict[str, Any], path: P
         start = sum(module.balance[:module.stage_index])
         mine = {str(i) for i in range(start, start + module.balance[module.stage_index])}
         odd = [k for k in saved if k.split(".")[0] not in layers
-               or (k.split(".")[0] in mine and k not in model_state)]
+               or (k.split(".")[0] in mine and k not in model_state and k not in aliases)]
         where = f"the {module.num_stages} stages of this pipeline hold {count} together"
     else:
-        odd = [k for k in saved if k not in model_state]
+        odd = [k for k in saved if k not in model_state and k not in aliases]
         where = f"this model has {count}"
     listed = f"; for example {', '.join(odd[:5])}" if odd else ""
     raise ValueError(

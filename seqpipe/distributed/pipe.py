@@ -18,6 +18,7 @@ from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.mesh import reverse_group
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, messages, pipeline_channels
 from seqpipe.distributed.step import Call, LossFn, describe
+from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from seqpipe.partition import check_balance, verify_module
@@ -77,7 +78,10 @@ class DistributedPipe(nn.Module):
     its own layers, on ``device``, registered under their names in the original
     ``nn.Sequential`` (so ``state_dict()`` keys are ``"4.weight"``, and the ranks' state
     dicts together are the unpipelined model's); the other layers are moved to the
-    ``meta`` device, which frees them.
+    ``meta`` device, which frees them. A parameter that layers of several stages share
+    (tied weights) has a copy on each of them, whose gradients are summed after every
+    step (see ``seqpipe.distributed.ties``; ``ties`` lists them, ``check_ties`` compares
+    the copies).
 
     Args:
         module: the whole model, the same on every rank (``meta`` tensors are fine).
@@ -116,17 +120,20 @@ class DistributedPipe(nn.Module):
         self.balance = self._resolve_balance(module, balance)
         validate_schedule(self.schedule, self.num_stages, self.chunks, **_RUNS)
         layout = inspect_skip_layout(module, self.balance)
+        self.ties: Tuple[Tie, ...] = tuple(find_ties(module, self.balance))
         fingerprint = self._check_same_everywhere(module)
         start = sum(self.balance[:self.stage_index])
         stop = start + self.balance[self.stage_index]
         named = list(module.named_children())
+        partition = nn.Sequential(*(layer for _, layer in named[start:stop]))
         for n, (name, layer) in enumerate(named):
             if start <= n < stop:
                 self.add_module(name, layer)
             else:
-                layer.to("meta")  # not ours: free it
-        partition = nn.Sequential(*(layer for _, layer in named[start:stop]))
-        _materialize(partition, self.device)
+                drop_layer(layer, keep=partition)  # not ours: free it (but not what we share)
+        tied_on_meta = self._tied_on_meta()
+        with ties_kept(partition):
+            _materialize(partition, self.device)
         if deferred_batch_norm:
             convert_deferred_batch_norm(partition)
         object.__setattr__(self, "partition", partition)  # a view: its layers are registered
@@ -149,8 +156,25 @@ class DistributedPipe(nn.Module):
             check_data_parallel_group(self.stage_index, fingerprint, data_parallel_group,
                                       self.device)
             self._reducer = GradientReducer(self._stage.parameters(), data_parallel_group)
+        self._tied: Optional[TiedCopies] = None
+        if self.ties:
+            self._tied = TiedCopies(self.ties, dict(self.named_parameters(remove_duplicate=False)),
+                                    self.stage_index, group, data_parallel_group, self.device)
+            self._tied.verify(tied_on_meta, at_construction=True)
         self._validated = {self.chunks}
         self._plans: Dict[Tuple[int, bool], _CallPlan] = {}
+
+    def _tied_on_meta(self) -> List[bool]:
+        """Per tie, whether this stage's copy is on ``meta`` (to be freshly initialised)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        return [any(params[n].is_meta for n in tie.names if n in params) for tie in self.ties]
+
+    def check_ties(self) -> None:
+        """Debug check, collective over the pipeline: raise ``RuntimeError`` (on every rank)
+        if the copies of a parameter tied across stages differ (one small all-gather of
+        checksums; each rank copies its tied parameters to the CPU to checksum them)."""
+        if self._tied is not None:
+            self._tied.verify()
 
     def _resolve_balance(self, module: nn.Sequential,
                          balance: Optional[Sequence[int]]) -> List[int]:
@@ -167,7 +191,7 @@ class DistributedPipe(nn.Module):
 
     def _check_same_everywhere(self, module: nn.Sequential) -> int:
         config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
-                  self.num_stages)
+                  self.num_stages, [tie.names for tie in self.ties])
         mine = torch.tensor([_fingerprint(module, config)], dtype=torch.int64,
                             device=self.device)
         everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
@@ -307,6 +331,8 @@ class DistributedPipe(nn.Module):
             loss = self._close(call, torch.stack(call.losses).sum() if self.is_last else None)
             if self._reducer is not None:
                 self._reducer.finish()
+            if self._tied is not None:
+                self._tied.reduce_grads()  # after the replicas' mean: the two commute
         assert loss is not None
         return loss
 
