@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
+from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.microbatch import Batch
 from seqpipe.schedule import Action
@@ -44,6 +45,7 @@ class Call:
     num_stages: int
     grad: bool
     checkpoint_stop: int = 0
+    grads: Optional[StepGrads] = None  # where parameter gradients add up (train_step)
     inbox: Dict[Tuple[Kind, int, int], Message] = field(default_factory=dict)
     states: Dict[int, TaskState] = field(default_factory=dict)
     outputs: List[Batch] = field(default_factory=list)
@@ -115,7 +117,8 @@ class Call:
             skips[skip.key] = message.tensors[0]
             flags += message.flags
         sent, state = self.stage.forward(Received(received_batch, skips, flags), grad=self.grad,
-                                         checkpoint=self.grad and i < self.checkpoint_stop)
+                                         checkpoint=self.grad and i < self.checkpoint_stop,
+                                         sink=self.grads.sink_for(i) if self.grads else None)
         for key, tensor in sorted(sent.skips.items(), key=lambda kv: self.key_index(kv[0])):
             self.send(self.layout.pop_partition(*key), Kind.SKIP, i, [tensor],
                       [wants_grad(tensor)], key=self.key_index(key))
@@ -159,7 +162,14 @@ class Call:
         skip_grads = {skip.key: self.need(skip.pop_partition, Kind.SKIP_GRAD, i,
                                           self.key_index(skip.key)).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
-        received = self.stage.backward(self.states.pop(i), grads, skip_grads)
+        state = self.states.pop(i)
+        if self.grads is None:
+            received = self.stage.backward(state, grads, skip_grads)
+        elif i == self.grads.last:
+            with self.grads.handing_over():  # .grad and its hooks get the step's sum once
+                received = self.stage.backward(state, grads, skip_grads)
+        else:
+            received = self.stage.backward(state, grads, skip_grads, sink=self.grads.sink)
         if s > 0:
             self.send(s - 1, Kind.GRAD, i, received.inputs)
         for key, grad in received.skips.items():
