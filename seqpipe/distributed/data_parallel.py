@@ -70,7 +70,9 @@ class GradientReducer:
         self._hooked: Set[int] = set()
         self.armed = False
         self.ready: List[Set[int]] = []
-        self.works: List[Tuple[dist.Work, Tensor]] = []  # started buckets, in bucket order
+        # Started buckets, in bucket order: the work, the flat buffer, and whether some
+        # parameter of the bucket had no gradient here.
+        self.works: List[Tuple[dist.Work, Tensor, bool]] = []
 
     def follow(self, params: Sequence[nn.Parameter]) -> None:
         """Reduce exactly ``params`` (the trainable ones, in model order) from now on.
@@ -112,11 +114,16 @@ class GradientReducer:
     def _start(self, b: int) -> None:
         assert b == len(self.works), "buckets must start in order on every replica"
         bucket = self.buckets[b]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-        used = torch.tensor([p.grad is not None for p in bucket], dtype=bucket[0].dtype,
-                            device=bucket[0].device)
+        missing = [p.grad is None for p in bucket]
+        grads = [torch.zeros_like(p) if m else p.grad for p, m in zip(bucket, missing)]
+        if any(missing):
+            used = torch.tensor([not m for m in missing], dtype=bucket[0].dtype,
+                                device=bucket[0].device)
+        else:  # the common case, without a host-to-device copy
+            used = torch.ones(len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
         flat = _flatten_dense_tensors([*grads, used])
-        self.works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.works.append((work, flat, any(missing)))
 
     def finish(self) -> None:
         """Start the buckets still waiting (whose parameters did not all get a gradient in
@@ -124,11 +131,14 @@ class GradientReducer:
         for b in range(len(self.works), len(self.buckets)):
             self._start(b)
         self.armed = False
-        for bucket, (work, flat) in zip(self.buckets, self.works):
+        for bucket, (work, flat, missing) in zip(self.buckets, self.works):
             work.wait()
             *synced, used = _unflatten_dense_tensors(flat, [*bucket, flat[:len(bucket)]])
-            for param, grad, users in zip(bucket, synced, used.tolist()):
-                if not users:  # no replica had a gradient: leave it None, as DDP does
+            # Whether any replica had each gradient: only asked (a device-to-host copy)
+            # when this replica lacked one; otherwise this replica had them all.
+            users = used.tolist() if missing else [1] * len(bucket)
+            for param, grad, count in zip(bucket, synced, users):
+                if not count:  # no replica had a gradient: leave it None, as DDP does
                     continue
                 grad.div_(self.size)
                 if param.grad is None:
