@@ -217,3 +217,16 @@ def _buffers(rank: int, world: int, broadcast: bool) -> None:
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_buffers_are_broadcast_from_the_first_replica_unless_turned_off(broadcast: bool) -> None:
     run_workers(_buffers, 2, broadcast, timeout=120)
+
+
+def _mismatched(rank: int, world: int) -> None:
+    pp, dp = _replicas()
+    with pytest.raises(ValueError, match="replicas in data_parallel_group built different "
+                                         "models or pipeline settings"):
+        DistributedPipe(_bn_model(), group=pp, data_parallel_group=dp,
+                        broadcast_buffers=dist.get_rank(dp) == 0)
+
+
+def test_replicas_that_disagree_on_broadcast_buffers_are_rejected() -> None:
+    """One replica broadcasting while another does not would leave a collective unmatched."""
+    run_workers(_mismatched, 2, timeout=120)
