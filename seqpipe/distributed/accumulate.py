@@ -44,9 +44,13 @@ class StepGrads:
         return None if microbatch == self.last else self.sink
 
     @contextmanager
-    def handing_over(self) -> Iterator[None]:
-        """Around the last backward: add the other micro-batches' sums to ``.grad``
-        before it, and fire the hooks of the parameters it did not reach after it."""
+    def handing_over(self, microbatch: int) -> Iterator[None]:
+        """Around ``microbatch``'s backward. For the last one: add the other micro-batches'
+        sums to ``.grad`` before it, and fire the hooks of the parameters it did not
+        reach after it."""
+        if microbatch != self.last:
+            yield
+            return
         preloaded: List[Tuple[nn.Parameter, Tensor, int]] = []
         for param, grad in self.sink.take():
             if param.grad is None:

@@ -11,7 +11,7 @@ lists (every rank derives it to receive ahead); the transport checks each send a
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -162,14 +162,9 @@ class Call:
         skip_grads = {skip.key: self.need(skip.pop_partition, Kind.SKIP_GRAD, i,
                                           self.key_index(skip.key)).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
-        state = self.states.pop(i)
-        if self.grads is None:
-            received = self.stage.backward(state, grads, skip_grads)
-        elif i == self.grads.last:
-            with self.grads.handing_over():  # .grad and its hooks get the step's sum once
-                received = self.stage.backward(state, grads, skip_grads)
-        else:
-            received = self.stage.backward(state, grads, skip_grads, sink=self.grads.sink)
+        sink = self.grads.sink_for(i) if self.grads else None
+        with self.grads.handing_over(i) if self.grads else nullcontext():  # hooks: once
+            received = self.stage.backward(self.states.pop(i), grads, skip_grads, sink=sink)
         if s > 0:
             self.send(s - 1, Kind.GRAD, i, received.inputs)
         for key, grad in received.skips.items():
