@@ -5,10 +5,11 @@ skip tensors popped in it, already on its device and cut from the sender's autog
 graph; it runs its partition (checkpointed or not) and hands back its output and the
 skip tensors stashed for later partitions. For the backward it takes the gradients of
 what it sent and returns the gradients of what it received; its parameters' gradients
-accumulate into their ``.grad`` (distributed engine) or into a ``GradSink`` (local
-engine, which hands autograd the sums once). Cutting the graph at every boundary is what
-lets each stage's backward run on its own thread (local engine) or process (distributed
-engine), in the order a schedule says.
+accumulate into a ``GradSink``, whose sums reach the parameters once per step (the local
+engine hands them to autograd; the distributed one adds them to ``.grad`` before the
+stage's last backward, which runs with the real parameters), or into ``.grad``. Cutting
+the graph at every boundary is what lets each stage's backward run on its own thread
+(local engine) or process (distributed engine), in the order a schedule says.
 """
 from __future__ import annotations
 

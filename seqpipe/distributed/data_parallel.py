@@ -4,81 +4,160 @@ A stage's gradients are final only after its last backward of the mini-batch, so
 synchronised once per mini-batch, never per micro-batch. To hide the all-reduce behind
 that last backward, as DistributedDataParallel's reducer does, parameters are grouped into
 buckets in reverse order (the order backward produces them); during the last backward a
-post-accumulate hook marks each parameter ready, and a bucket's all-reduce starts, without
-blocking, as soon as all its parameters are. DDP itself is not used because its reducer
-expects one forward then one backward per call, while a 1F1B stage interleaves the
-forwards and backwards of many micro-batches.
+post-accumulate hook marks each parameter ready, and the buckets' all-reduces start,
+without blocking, **strictly in bucket order**: a ready bucket waits until every bucket
+before it has started. Every replica therefore issues the same collectives in the same
+order even when replicas use different parameters in a step (LayerDrop, an expert that got
+no tokens, a branch taken on one replica only); started as each became ready, two replicas
+would reduce different buckets against each other.
+
+A parameter that got no gradient on a replica takes part with zeros, and with a flag that
+says so: each bucket carries one count per parameter of the replicas that had a gradient
+for it, so a parameter no replica used keeps ``.grad`` at ``None``, as with DDP.
+
+The trainable parameters are followed at every step (``follow``): freezing or unfreezing
+a parameter after construction rebuilds the buckets. The buckets are a function of the
+model's parameters and their ``requires_grad``, so replicas that freeze the same
+parameters build the same buckets without talking to each other.
+
+DDP itself is not used because its reducer expects one forward then one backward per
+call, while a 1F1B stage interleaves the forwards and backwards of many micro-batches.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["GradientReducer", "check_data_parallel_group"]
+__all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def make_buckets(params: Sequence[nn.Parameter],
+                 bucket_bytes: int) -> List[List[nn.Parameter]]:
+    """Group ``params`` in reverse order into buckets of about ``bucket_bytes``, one dtype
+    and device per bucket (a bucket is reduced as one flat tensor)."""
+    buckets: List[List[nn.Parameter]] = []
+    open_: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
+    size: Dict[Tuple[torch.dtype, torch.device], int] = {}
+    for param in reversed(params):
+        key = (param.dtype, param.device)
+        open_.setdefault(key, []).append(param)
+        size[key] = size.get(key, 0) + param.numel() * param.element_size()
+        if size[key] >= bucket_bytes:
+            buckets.append(open_.pop(key))
+            size[key] = 0
+    buckets.extend(open_.values())
+    return buckets
 
 
 class GradientReducer:
-    """Averages ``.grad`` of ``params`` over ``group``, overlapping with the last backward."""
+    """Averages the trainable parameters' ``.grad`` over ``group``, overlapping with the
+    stage's last backward of each step."""
 
-    def __init__(self, params: List[nn.Parameter], group: dist.ProcessGroup,
-                 bucket_bytes: int = 25 * 2**20) -> None:
+    def __init__(self, group: dist.ProcessGroup,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.bucket_bytes = bucket_bytes
+        self.params: List[nn.Parameter] = []
         self.buckets: List[List[nn.Parameter]] = []
-        current: List[nn.Parameter] = []
-        for param in reversed(params):
-            current.append(param)
-            if sum(p.numel() * p.element_size() for p in current) >= bucket_bytes:
-                self.buckets.append(current)
-                current = []
-        if current:
-            self.buckets.append(current)
-        self.bucket_of: Dict[nn.Parameter, int] = {
-            p: b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self.bucket_of: Dict[int, int] = {}  # id(parameter) -> its bucket
+        self._hooked: Set[int] = set()
         self.armed = False
-        self.ready: List[int] = [0] * len(self.buckets)
-        self.works: List[Optional[tuple]] = [None] * len(self.buckets)
-        for param in params:
-            param.register_post_accumulate_grad_hook(self._on_grad)
+        self.ready: List[Set[int]] = []
+        # Started buckets, in bucket order: the work, the flat buffer, and whether some
+        # parameter of the bucket had no gradient here.
+        self.works: List[Tuple[dist.Work, Tensor, bool]] = []
+
+    def follow(self, params: Sequence[nn.Parameter]) -> None:
+        """Reduce exactly ``params`` (the trainable ones, in model order) from now on.
+
+        Called at the start of every step; rebuilds the buckets when the list changed (a
+        parameter was frozen or unfrozen). Every replica must pass the same list.
+        """
+        if [id(p) for p in params] == [id(p) for p in self.params]:
+            return
+        self.params = list(params)
+        self.buckets = make_buckets(self.params, self.bucket_bytes)
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        for param in self.params:
+            if id(param) not in self._hooked:
+                param.register_post_accumulate_grad_hook(self._on_grad)
+                self._hooked.add(id(param))
 
     def arm(self) -> None:
         """The next backward is the stage's last of the mini-batch: reduce as grads land."""
         self.armed = True
-        self.ready = [0] * len(self.buckets)
-        self.works = [None] * len(self.buckets)
+        self.ready = [set() for _ in self.buckets]
+        self.works = []
 
     def _on_grad(self, param: Tensor) -> None:
         if not self.armed:
             return
-        b = self.bucket_of[param]  # type: ignore[index]
-        self.ready[b] += 1
-        if self.ready[b] == len(self.buckets[b]):
-            self._launch(b)
+        b = self.bucket_of.get(id(param))
+        if b is None:  # frozen since the step started: not reduced in this step
+            return
+        self.ready[b].add(id(param))
+        self._start_ready()
 
-    def _launch(self, b: int) -> None:
+    def _start_ready(self) -> None:
+        """Start every bucket that is ready and has all buckets before it started."""
+        while len(self.works) < len(self.buckets) and \
+                len(self.ready[len(self.works)]) == len(self.buckets[len(self.works)]):
+            self._start(len(self.works))
+
+    def _start(self, b: int) -> None:
+        assert b == len(self.works), "buckets must start in order on every replica"
         bucket = self.buckets[b]
-        for param in bucket:
-            if param.grad is None:  # unused in this mini-batch: a zero gradient
-                param.grad = torch.zeros_like(param)
-        flat = _flatten_dense_tensors([p.grad for p in bucket])
-        self.works[b] = (dist.all_reduce(flat, group=self.group, async_op=True), flat)
+        missing = [p.grad is None for p in bucket]
+        grads = [torch.zeros_like(p) if m else p.grad for p, m in zip(bucket, missing)]
+        if any(missing):
+            used = torch.tensor([not m for m in missing], dtype=bucket[0].dtype,
+                                device=bucket[0].device)
+        else:  # the common case, without a host-to-device copy
+            used = torch.ones(len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+        flat = _flatten_dense_tensors([*grads, used])
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.works.append((work, flat, any(missing)))
 
     def finish(self) -> None:
-        """Wait for every bucket (starting any whose parameters got no gradient) and average."""
-        for b in range(len(self.buckets)):
-            if self.works[b] is None:
-                self._launch(b)
-        for b, bucket in enumerate(self.buckets):
-            work, flat = self.works[b]  # type: ignore[misc]
-            work.wait()
-            flat.div_(self.size)
-            for param, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                param.grad.copy_(synced)  # type: ignore[union-attr]
+        """Start the buckets still waiting (whose parameters did not all get a gradient in
+        the last backward), in order; wait for all and write back the averages."""
+        for b in range(len(self.works), len(self.buckets)):
+            self._start(b)
         self.armed = False
+        for bucket, (work, flat, missing) in zip(self.buckets, self.works):
+            work.wait()
+            *synced, used = _unflatten_dense_tensors(flat, [*bucket, flat[:len(bucket)]])
+            # Whether any replica had each gradient: only asked (a device-to-host copy)
+            # when this replica lacked one; otherwise this replica had them all.
+            users = used.tolist() if missing else [1] * len(bucket)
+            for param, grad, count in zip(bucket, synced, users):
+                if not count:  # no replica had a gradient: leave it None, as DDP does
+                    continue
+                grad.div_(self.size)
+                if param.grad is None:
+                    param.grad = grad.clone()  # its own tensor, not a view of the bucket
+                else:
+                    param.grad.copy_(grad)
+        self.works = []
+
+
+def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Copy the buffers of ``module`` from the first rank of ``group`` to the others.
+
+    What DistributedDataParallel does with ``broadcast_buffers=True``, through the same
+    coalesced broadcast: BatchNorm running statistics and other buffers stay equal on
+    every replica, so any replica's state dict (or checkpoint shard) is the model's.
+    """
+    buffers = [b for b in module.buffers() if not b.is_meta]
+    if buffers:
+        dist._broadcast_coalesced(group, buffers, DEFAULT_BUCKET_BYTES, 0)
 
 
 def check_data_parallel_group(stage: int, fingerprint: int, group: dist.ProcessGroup,
@@ -96,3 +175,4 @@ def check_data_parallel_group(stage: int, fingerprint: int, group: dist.ProcessG
     if len({int(t[1]) for t in everyone}) > 1:
         raise ValueError("the replicas in data_parallel_group built different models or "
                          "pipeline settings; every replica must use the same model and arguments")
+

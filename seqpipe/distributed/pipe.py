@@ -13,7 +13,12 @@ from torch import Tensor, nn
 
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
-from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
+from seqpipe.distributed.accumulate import StepGrads
+from seqpipe.distributed.data_parallel import (
+    GradientReducer,
+    broadcast_buffers,
+    check_data_parallel_group,
+)
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.mesh import reverse_group
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, messages, pipeline_channels
@@ -94,6 +99,9 @@ class DistributedPipe(nn.Module):
         group: the pipeline's process group.
         device: where this stage runs (default: the current CUDA device, else CPU).
         data_parallel_group: replicas of this stage; gradients are averaged over it.
+        broadcast_buffers: with ``data_parallel_group``, copy the stage's buffers (say,
+            BatchNorm running statistics) from the group's first rank to the others at
+            the end of every ``train_step``, as DDP's argument of that name does.
     """
 
     def __init__(self, module: nn.Sequential, chunks: int = 1, *,
@@ -101,7 +109,8 @@ class DistributedPipe(nn.Module):
                  schedule: Union[str, Schedule] = "1f1b", checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False, group: Optional[dist.ProcessGroup] = None,
                  device: Union[str, torch.device, None] = None,
-                 data_parallel_group: Optional[dist.ProcessGroup] = None) -> None:
+                 data_parallel_group: Optional[dist.ProcessGroup] = None,
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
         verify_module(module)
         if not dist.is_available() or not dist.is_initialized():
@@ -117,6 +126,7 @@ class DistributedPipe(nn.Module):
         self.checkpoint = check_mode(checkpoint)
         self.schedule = get_schedule(schedule)
         self.device = torch.device(device) if device is not None else _default_device()
+        self.broadcast_buffers = bool(broadcast_buffers)
         self.balance = self._resolve_balance(module, balance)
         validate_schedule(self.schedule, self.num_stages, self.chunks, **_RUNS)
         layout = inspect_skip_layout(module, self.balance)
@@ -155,7 +165,7 @@ class DistributedPipe(nn.Module):
         if data_parallel_group is not None:
             check_data_parallel_group(self.stage_index, fingerprint, data_parallel_group,
                                       self.device)
-            self._reducer = GradientReducer(self._stage.parameters(), data_parallel_group)
+            self._reducer = GradientReducer(data_parallel_group)
         self._tied: Optional[TiedCopies] = None
         if self.ties:
             self._tied = TiedCopies(self.ties, dict(self.named_parameters(remove_duplicate=False)),
@@ -191,7 +201,7 @@ class DistributedPipe(nn.Module):
 
     def _check_same_everywhere(self, module: nn.Sequential) -> int:
         config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
-                  self.num_stages, [tie.names for tie in self.ties])
+                  self.num_stages, self.broadcast_buffers, [tie.names for tie in self.ties])
         mine = torch.tensor([_fingerprint(module, config)], dtype=torch.int64,
                             device=self.device)
         everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
@@ -312,12 +322,15 @@ class DistributedPipe(nn.Module):
         targets: Optional[List[Any]] = None
         weights: List[float] = []
         with call.guard("start of the step"):
+            if self._reducer is not None:
+                self._reducer.follow(self._stage.parameters())  # requires_grad as of now
             batches, actions = self._open(call, input)
             mode = self.checkpoint if self.training else "never"
             call.checkpoint_stop = checkpoint_stop(mode, len(batches))
             if self.is_last:
                 targets, weights = self._split_target(target, len(batches))
         last_backward = max(n for n, a in enumerate(actions) if a.phase is Phase.BACKWARD)
+        call.grads = StepGrads(self._stage, actions[last_backward].microbatch)
         for n, action in enumerate(actions):
             with call.guard(describe(action)):
                 if action.phase is Phase.FORWARD:
@@ -331,6 +344,8 @@ class DistributedPipe(nn.Module):
             loss = self._close(call, torch.stack(call.losses).sum() if self.is_last else None)
             if self._reducer is not None:
                 self._reducer.finish()
+                if self.broadcast_buffers:
+                    broadcast_buffers(self.partition, self._reducer.group)
             if self._tied is not None:
                 self._tied.reduce_grads()  # after the replicas' mean: the two commute
         assert loss is not None

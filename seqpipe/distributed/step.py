@@ -12,7 +12,7 @@ lists (every rank derives it to receive ahead); the transport checks each send a
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
+from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.microbatch import Batch
 from seqpipe.schedule import Action
@@ -46,6 +47,7 @@ class Call:
     grad: bool
     checkpoint_stop: int = 0
     seed: Optional[Tensor] = None  # the last stage's backward starts from it (loss scale), else 1
+    grads: Optional[StepGrads] = None  # where parameter gradients add up (train_step)
     inbox: Dict[Tuple[Kind, int, int], Message] = field(default_factory=dict)
     states: Dict[int, TaskState] = field(default_factory=dict)
     outputs: List[Batch] = field(default_factory=list)
@@ -118,7 +120,8 @@ class Call:
             skips[skip.key] = message.tensors[0]
             flags += message.flags
         sent, state = self.stage.forward(Received(received_batch, skips, flags), grad=self.grad,
-                                         checkpoint=self.grad and i < self.checkpoint_stop)
+                                         checkpoint=self.grad and i < self.checkpoint_stop,
+                                         sink=self.grads.sink_for(i) if self.grads else None)
         for key, tensor in sorted(sent.skips.items(), key=lambda kv: self.key_index(kv[0])):
             self.send(self.layout.pop_partition(*key), Kind.SKIP, i, [tensor],
                       [wants_grad(tensor)], key=self.key_index(key))
@@ -165,7 +168,9 @@ class Call:
         skip_grads = {skip.key: self.need(skip.pop_partition, Kind.SKIP_GRAD, i,
                                           self.key_index(skip.key)).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
-        received = self.stage.backward(self.states.pop(i), grads, skip_grads)
+        sink = self.grads.sink_for(i) if self.grads else None
+        with self.grads.handing_over(i) if self.grads else nullcontext():  # hooks: once
+            received = self.stage.backward(self.states.pop(i), grads, skip_grads, sink=sink)
         if s > 0:
             self.send(s - 1, Kind.GRAD, i, received.inputs)
         for key, grad in received.skips.items():

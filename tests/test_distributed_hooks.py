@@ -1,0 +1,119 @@
+"""Parameter hooks in a DistributedPipe fire once per train_step, with the step's gradient.
+
+As for ``Pipe`` and the unpipelined model: micro-batches add up where no hook sees them,
+and the stage's last backward hands the sum to the real parameters. "Optimizer step in
+backward" recipes (``register_post_accumulate_grad_hook``) therefore step on full
+gradients.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from distributed_harness import run_workers
+from seqpipe.distributed import DistributedPipe
+
+MODES = [("1f1b", "except_last"), ("1f1b", "always"), ("fill_drain", "never"),
+         ("fill_drain", "always")]
+
+
+class _UnlessSingle(nn.Module):
+    """Skips its layer on a micro-batch of one sample: a parameter that some micro-batches
+    use and others (the last, under 1F1B) do not."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x if x.shape[0] == 1 else self.inner(x)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _UnlessSingle(nn.Linear(8, 8)), nn.Tanh(),
+                         nn.Linear(8, 3)).double()
+
+
+def _batch(step: int) -> tuple:
+    gen = torch.Generator().manual_seed(step)
+    return (torch.randn(7, 4, generator=gen, dtype=torch.float64),  # micro-batches 2, 2, 2, 1
+            torch.randn(7, 3, generator=gen, dtype=torch.float64))
+
+
+def _reference_backward(model: nn.Sequential, x: Tensor, y: Tensor) -> None:
+    """The pipeline's loss: micro-batch losses weighted by their share of the batch."""
+    loss = sum(nn.functional.mse_loss(model(xi), yi) * len(xi) / len(x)
+               for xi, yi in zip(x.split(2), y.split(2)))
+    loss.backward()  # type: ignore[union-attr]
+
+
+def _step(pipe: DistributedPipe, step: int) -> None:
+    x, y = _batch(step)
+    pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                    nn.functional.mse_loss)
+
+
+def _record_hooks(pipe: nn.Module) -> Tuple[Dict[str, List[Tensor]], Dict[str, int]]:
+    """What each parameter's post-accumulate hooks saw in ``.grad``; how often a
+    gradient flowed into it (``register_hook``)."""
+    seen: Dict[str, List[Tensor]] = {}
+    flowing: Dict[str, int] = {}
+    for name, param in pipe.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.setdefault(name, []).append(p.grad.clone()))
+        param.register_hook(lambda g, name=name: flowing.__setitem__(
+            name, flowing.get(name, 0) + 1))
+    return seen, flowing
+
+
+def _once_with_the_sum(rank: int, world: int) -> None:
+    for schedule, checkpoint in MODES:
+        reference = _model()
+        _reference_backward(reference, *_batch(0))
+        pipe = DistributedPipe(_model(), chunks=4, balance=[2, 3], schedule=schedule,
+                               checkpoint=checkpoint)
+        seen, flowing = _record_hooks(pipe)
+        _step(pipe, 0)
+        expected = dict(reference.named_parameters())
+        for name, param in pipe.named_parameters():
+            what = (schedule, checkpoint, name)
+            assert len(seen[name]) == 1, what  # once per step, not once per micro-batch
+            assert torch.allclose(seen[name][0], expected[name].grad, atol=1e-12), what
+            assert torch.allclose(param.grad, expected[name].grad, atol=1e-12), what
+            assert flowing[name] == 1, what
+
+
+def test_post_accumulate_hooks_fire_once_per_step_with_the_whole_gradient() -> None:
+    run_workers(_once_with_the_sum, 2, timeout=120)
+
+
+def _optimizer_in_backward(rank: int, world: int, schedule: str) -> None:
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    pipe = DistributedPipe(_model(), chunks=4, balance=[2, 3], schedule=schedule)
+    optimizers = {p: torch.optim.SGD([p], lr=0.5) for p in pipe.parameters()}
+
+    def step_now(param: Tensor) -> None:  # the recipe: step each parameter as its grad lands
+        optimizers[param].step()  # type: ignore[index]
+        optimizers[param].zero_grad(set_to_none=True)  # type: ignore[index]
+
+    for param in pipe.parameters():
+        param.register_post_accumulate_grad_hook(step_now)
+    for step in range(3):
+        _step(pipe, step)
+        ref_opt.zero_grad()
+        _reference_backward(reference, *_batch(step))
+        ref_opt.step()
+    expected = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert param.grad is None, name
+        assert torch.allclose(param, expected[name], atol=1e-12), (schedule, name)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "fill_drain"])
+def test_an_optimizer_stepped_in_backward_sees_full_gradients(schedule: str) -> None:
+    run_workers(_optimizer_in_backward, 2, schedule, timeout=120)
