@@ -8,30 +8,100 @@ cannot backpropagate into ``.grad``; and asking autograd for each micro-batch's 
 gradients alive at every micro-batch.
 
 A ``GradSink`` avoids both. For one call it gives the pipeline's trainable parameters
-leaf aliases (same storage, no copy); each partition runs with the aliases in place of its
-parameters, so every micro-batch's backward accumulates into the aliases' ``.grad`` in
-place, layer by layer, as plain autograd accumulates into ``.grad``, and no hook of the
-real parameters fires. ``take`` then hands the sums over, once. A parameter used by two
-partitions (tied weights) has one alias, into which both stages accumulate.
+leaf aliases (same storage and version counter, no copy); autograd records the aliases
+instead of the parameters, so every micro-batch's backward accumulates into the aliases'
+``.grad`` in place, layer by layer, as plain autograd accumulates into ``.grad``, and no
+hook of the real parameters fires. ``take`` then hands the sums over, once. A parameter
+used by two partitions (tied weights, a shared module) has one alias, into which both
+stages accumulate.
 
-The aliases go in as ``torch.func.functional_call`` puts them in, by swapping the
-modules' parameter entries while a partition runs, but through slots listed once per
-call (``functional_call`` works them out on every call: 75-150 µs for 24 parameters,
-several percent of a pipelined step). Stages run on their own threads, and a module may
-belong to two partitions (shared inside two layers), so the swaps are counted: an entry
-holds its alias while any partition that uses it runs.
+The layers never see the aliases. Their modules keep their own parameters (same objects,
+type, attributes); while a partition runs (its forward, and a checkpoint's recomputation)
+a thread-local ``TorchFunctionMode`` substitutes the alias wherever one of the
+partition's parameters is passed to a torch function or ``Tensor`` method, at the top
+level of the arguments or inside a list or tuple (``torch.cat``, an RNN's flat weights).
+An operation that hands back its argument unchanged (``w.to(w.dtype)``,
+``w.contiguous()``) hands back the real parameter again. Reading or writing ``.grad``,
+setting ``.data`` or ``requires_grad``, hashing and registering hooks go to the real
+parameter. Where a parameter reaches autograd without passing through a torch function
+under the mode (a custom ``autograd.Function.apply``, which PyTorch does not route through
+``__torch_function__``), autograd records the real parameter: the stage's backward lists
+the real parameters too, so its gradient still lands, in ``.grad``, once per micro-batch.
 """
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["GradSink"]
 
-_Slot = Tuple[Dict[str, Any], str, nn.Parameter, Tensor]  # entries, name, parameter, alias
+# What stays with the real parameter: its autograd metadata and identity, not its values.
+_KEEP = frozenset({
+    Tensor.grad.__get__, Tensor.grad.__set__, Tensor.grad.__delete__,
+    Tensor._grad.__get__, Tensor._grad.__set__,
+    Tensor.data.__set__, Tensor.requires_grad.__set__, Tensor.requires_grad_,
+    Tensor.register_hook, Tensor.register_post_accumulate_grad_hook, Tensor.retain_grad,
+    Tensor.__hash__,
+})
+_SEQUENCES = (list, tuple)
+
+
+def _swapped(values: Sequence[Any], aliases: Mapping[int, Tensor]) -> Optional[List[Any]]:
+    """``values`` with every parameter replaced by its alias; ``None`` if none was there."""
+    out: Optional[List[Any]] = None
+    for i, value in enumerate(values):
+        if value.__class__ in _SEQUENCES:
+            inner = _swapped(value, aliases)
+            new = value if inner is None else value.__class__(inner)
+        else:
+            new = aliases.get(id(value), value)
+        if new is not value:
+            if out is None:
+                out = list(values)
+            out[i] = new
+    return out
+
+
+class _Substitute(TorchFunctionMode):
+    """Gives autograd a partition's aliases wherever its layers pass a real parameter."""
+
+    def __init__(self, aliases: Dict[int, Tensor], params: Dict[int, nn.Parameter]) -> None:
+        super().__init__()
+        self.aliases = aliases  # id(parameter) -> alias
+        self.params = params  # id(alias) -> parameter
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _KEEP:
+            return func(*args, **kwargs)
+        new_args = _swapped(args, self.aliases)
+        if kwargs:
+            new_values = _swapped(tuple(kwargs.values()), self.aliases)
+            if new_values is not None:
+                kwargs = dict(zip(kwargs, new_values))
+        out = func(*(args if new_args is None else new_args), **kwargs)
+        return self.params.get(id(out), out)
+
+
+def _alias(param: nn.Parameter) -> Tensor:
+    """A leaf sharing ``param``'s storage and version counter.
+
+    A plain tensor, unless ``param``'s class has its own ``__torch_function__``: then an
+    instance of that class sharing ``param``'s attributes, so that its override still
+    runs (with the alias) once the mode has substituted it.
+    """
+    with torch._C.DisableTorchFunctionSubclass():
+        data = param.detach()
+    if type(param).__torch_function__ is torch._C._disabled_torch_function_impl:
+        return data.requires_grad_()
+    alias = Tensor._make_subclass(type(param), data, True)
+    alias.__dict__ = param.__dict__
+    return alias
 
 
 class GradSink:
@@ -40,47 +110,31 @@ class GradSink:
     def __init__(self, partitions: Sequence[nn.Module]) -> None:
         self.params: List[nn.Parameter] = []
         self._aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias
-        self._slots: List[List[_Slot]] = [self._slots_of(p) for p in partitions]
-        self._leaves = [list({id(alias): alias for *_, alias in slots}.values())
-                        for slots in self._slots]
-        self._installed: Dict[Tuple[int, str], int] = {}
-        self._lock = threading.Lock()
+        self._modes: List[_Substitute] = []
+        self._leaves: List[List[Tensor]] = []
+        for partition in partitions:
+            own = [p for p in partition.parameters() if p.requires_grad]  # tied ones once
+            aliases = [self._alias_of(p) for p in own]
+            self._modes.append(_Substitute({id(p): a for p, a in zip(own, aliases)},
+                                           {id(a): p for p, a in zip(own, aliases)}))
+            self._leaves.append(aliases)
 
-    def _slots_of(self, partition: nn.Module) -> List[_Slot]:
-        slots = []
-        for module in partition.modules():
-            for name, param in module._parameters.items():
-                if param is None or not param.requires_grad:
-                    continue
-                if id(param) not in self._aliases:
-                    self._aliases[id(param)] = param.detach().requires_grad_()
-                    self.params.append(param)
-                slots.append((module._parameters, name, param, self._aliases[id(param)]))
-        return slots
+    def _alias_of(self, param: nn.Parameter) -> Tensor:
+        if id(param) not in self._aliases:
+            self._aliases[id(param)] = _alias(param)
+            self.params.append(param)
+        return self._aliases[id(param)]
 
     @contextmanager
     def installed(self, stage: int) -> Iterator[None]:
-        """Partition ``stage``'s parameters replaced by their aliases, inside the block."""
-        with self._lock:
-            for entries, name, _, alias in self._slots[stage]:
-                key = (id(entries), name)
-                if key not in self._installed:
-                    entries[name] = alias
-                self._installed[key] = self._installed.get(key, 0) + 1
-        try:
+        """Partition ``stage``'s parameters stand for their aliases in autograd, inside the
+        block, on this thread."""
+        with self._modes[stage]:
             yield
-        finally:
-            with self._lock:
-                for entries, name, param, _ in self._slots[stage]:
-                    key = (id(entries), name)
-                    self._installed[key] -= 1
-                    if not self._installed[key]:
-                        del self._installed[key]
-                        entries[name] = param
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
-        """Run ``partition`` (number ``stage``) on ``args`` with its parameters' aliases."""
-        with self.installed(stage):
+        """Run ``partition`` (number ``stage``) on ``args`` recording its parameters' aliases."""
+        with self._modes[stage]:
             return partition(*args)
 
     def leaves(self, stage: int) -> List[Tensor]:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import has_torch_function
 
 from seqpipe.batchnorm import DeferredBatchNorm
 from seqpipe.checkpoint import run_task
@@ -120,6 +121,19 @@ class TaskState:
 
 def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
     return get_gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
+
+
+def _targets(tensors: List[Tensor]) -> List[Any]:
+    """What to pass as ``inputs=`` to backpropagate into ``tensors``.
+
+    The tensors themselves, unless one has its own ``__torch_function__`` (a parameter
+    subclass): ``autograd.backward`` would then run the whole backward, a checkpoint's
+    recomputation included, inside that override, with subclass overrides disabled, so
+    the recomputation would compute something else. Their gradient edges avoid that.
+    """
+    if has_torch_function(tensors):
+        return [get_gradient_edge(t) for t in tensors]
+    return tensors
 
 
 class Stage:
@@ -231,7 +245,7 @@ class Stage:
         wrt += self.parameters()
         if pairs and wrt:
             roots, grads = zip(*pairs)
-            torch.autograd.backward(list(roots), list(grads), inputs=wrt)
+            torch.autograd.backward(list(roots), list(grads), inputs=_targets(wrt))
         return self._received_grads(state)
 
     @staticmethod
