@@ -31,7 +31,7 @@ the real parameters too, so its gradient still lands, in ``.grad``, once per mic
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -50,24 +50,27 @@ _KEEP = frozenset({
 _SEQUENCES = (list, tuple)
 
 
-def _swapped(values: Sequence[Any], aliases: Mapping[int, Tensor]) -> Optional[List[Any]]:
-    """``values`` with every parameter replaced by its alias; ``None`` if none was there."""
-    out: Optional[List[Any]] = None
-    for i, value in enumerate(values):
-        if value.__class__ in _SEQUENCES:
-            inner = _swapped(value, aliases)
-            new = value if inner is None else value.__class__(inner)
-        else:
-            new = aliases.get(id(value), value)
-        if new is not value:
-            if out is None:
-                out = list(values)
-            out[i] = new
-    return out
+def _none_in(values: Iterable[Any], aliases: Mapping[int, Tensor]) -> bool:
+    """Whether no parameter (and no list or tuple that might hold one) is in ``values``."""
+    for value in values:
+        if id(value) in aliases or value.__class__ in _SEQUENCES:
+            return False
+    return True
+
+
+def _swapped(values: Iterable[Any], aliases: Mapping[int, Tensor]) -> List[Any]:
+    """``values`` with every parameter replaced by its alias, inside lists and tuples too."""
+    get = aliases.get
+    return [value.__class__(_swapped(value, aliases)) if value.__class__ in _SEQUENCES
+            else get(id(value), value) for value in values]
 
 
 class _Substitute(TorchFunctionMode):
-    """Gives autograd a partition's aliases wherever its layers pass a real parameter."""
+    """Gives autograd a partition's aliases wherever its layers pass a real parameter.
+
+    Runs for every torch operation of a training call, so the common case (no parameter
+    among flat arguments, no keywords) takes one membership test per argument.
+    """
 
     def __init__(self, aliases: Dict[int, Tensor], params: Dict[int, nn.Parameter]) -> None:
         super().__init__()
@@ -76,15 +79,16 @@ class _Substitute(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        aliases = self.aliases
+        if _none_in(args, aliases) and (not kwargs or _none_in(kwargs.values(), aliases)):
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            return self.params.get(id(out), out)
         kwargs = kwargs or {}
         if func in _KEEP:
             return func(*args, **kwargs)
-        new_args = _swapped(args, self.aliases)
         if kwargs:
-            new_values = _swapped(tuple(kwargs.values()), self.aliases)
-            if new_values is not None:
-                kwargs = dict(zip(kwargs, new_values))
-        out = func(*(args if new_args is None else new_args), **kwargs)
+            kwargs = dict(zip(kwargs, _swapped(kwargs.values(), aliases)))
+        out = func(*_swapped(args, aliases), **kwargs)
         return self.params.get(id(out), out)
 
 

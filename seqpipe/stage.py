@@ -157,8 +157,11 @@ class Stage:
         """The partition as a function of its input tensors (run with ``sink``'s aliases).
 
         With ``protect``, the inputs are copied inside the function: a checkpoint keeps
-        its inputs for the recomputation, and a first layer that works in place (say
-        ``ReLU(inplace=True)`` just after a partition boundary) would overwrite them.
+        its inputs for the recomputation, and a layer that writes its input in place (say
+        ``ReLU(inplace=True)`` just after a partition boundary, at the top level, nested in
+        a block, or a custom ``x.mul_()``) would overwrite them. Which layer will write
+        cannot be known beforehand, so every checkpointed task copies (a copy per input
+        in the forward and again in the recomputation; see docs/pipe.md for its cost).
         """
         def run(*tensors: Tensor) -> Any:
             if protect:
@@ -213,8 +216,7 @@ class Stage:
             state.box.tensors = ()  # the graph holds what it needs; drop our references
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
-        protect = checkpoint and bool(getattr(self.partition[0], "inplace", False))
-        out = run_task(self._call(tracker, received.inputs.atomic, protect, sink), inputs,
+        out = run_task(self._call(tracker, received.inputs.atomic, checkpoint, sink), inputs,
                        checkpoint=checkpoint, seed=seed)
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
