@@ -80,9 +80,14 @@ class _Substitute(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         aliases = self.aliases
-        if _none_in(args, aliases) and (not kwargs or _none_in(kwargs.values(), aliases)):
-            out = func(*args, **kwargs) if kwargs else func(*args)
-            return self.params.get(id(out), out)
+        for value in args:
+            if id(value) in aliases or value.__class__ in _SEQUENCES:
+                break
+        else:  # no parameter among the arguments (the common case): nothing to map back
+            if not kwargs:
+                return func(*args)
+            if _none_in(kwargs.values(), aliases):
+                return func(*args, **kwargs)
         kwargs = kwargs or {}
         if func in _KEEP:
             return func(*args, **kwargs)
