@@ -18,8 +18,10 @@ stages accumulate.
 The layers never see the aliases. Their modules keep their own parameters (same objects,
 type, attributes); while a partition runs (its forward, and a checkpoint's recomputation)
 a thread-local ``TorchFunctionMode`` substitutes the alias wherever one of the
-partition's parameters is passed to a torch function or ``Tensor`` method, at the top
-level of the arguments or inside a list or tuple (``torch.cat``, an RNN's flat weights).
+pipeline's parameters is passed to a torch function or ``Tensor`` method, at the top
+level of the arguments, as a keyword, or inside a list or tuple (``torch.cat``, an RNN's
+flat weights). A parameter of another partition (reached through a plain attribute)
+joins the partition's leaves when first used, so its backward reaches that alias too.
 An operation that hands back its argument unchanged (``w.to(w.dtype)``,
 ``w.contiguous()``) hands back the real parameter again. Reading or writing ``.grad``,
 setting ``.data`` or ``requires_grad``, hashing and registering hooks go to the real
@@ -66,16 +68,21 @@ def _swapped(values: Iterable[Any], aliases: Mapping[int, Tensor]) -> List[Any]:
 
 
 class _Substitute(TorchFunctionMode):
-    """Gives autograd a partition's aliases wherever its layers pass a real parameter.
+    """Gives autograd the aliases wherever a partition's layers pass a real parameter.
 
     Runs for every torch operation of a training call, so the common case (no parameter
-    among flat arguments, no keywords) takes one membership test per argument.
+    among flat arguments, no keywords) takes one membership test per argument. Any of
+    the pipeline's parameters is substituted; one of another partition (reached through a
+    plain attribute) joins this partition's ``leaves``, so its backward reaches it too.
     """
 
-    def __init__(self, aliases: Dict[int, Tensor], params: Dict[int, nn.Parameter]) -> None:
+    def __init__(self, aliases: Dict[int, Tensor], params: Dict[int, nn.Parameter],
+                 leaves: List[Tensor]) -> None:
         super().__init__()
-        self.aliases = aliases  # id(parameter) -> alias
+        self.aliases = aliases  # id(parameter) -> alias, for the whole pipeline
         self.params = params  # id(alias) -> parameter
+        self.leaves = leaves  # this partition's aliases
+        self.own = {id(alias) for alias in leaves}
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
@@ -91,10 +98,22 @@ class _Substitute(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _KEEP:
             return func(*args, **kwargs)
+        new_args = _swapped(args, aliases)
         if kwargs:
             kwargs = dict(zip(kwargs, _swapped(kwargs.values(), aliases)))
-        out = func(*_swapped(args, aliases), **kwargs)
+        self._adopt(new_args)
+        self._adopt(kwargs.values())
+        out = func(*new_args, **kwargs)
         return self.params.get(id(out), out)
+
+    def _adopt(self, values: Iterable[Any]) -> None:
+        """Add to this partition's leaves any other partition's alias among ``values``."""
+        for value in values:
+            if value.__class__ in _SEQUENCES:
+                self._adopt(value)
+            elif id(value) in self.params and id(value) not in self.own:
+                self.own.add(id(value))
+                self.leaves.append(value)
 
 
 def _alias(param: nn.Parameter) -> Tensor:
@@ -121,12 +140,13 @@ class GradSink:
         self._aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias
         self._modes: List[_Substitute] = []
         self._leaves: List[List[Tensor]] = []
+        by_alias: Dict[int, nn.Parameter] = {}  # id(alias) -> parameter
         for partition in partitions:
             own = [p for p in partition.parameters() if p.requires_grad]  # tied ones once
-            aliases = [self._alias_of(p) for p in own]
-            self._modes.append(_Substitute({id(p): a for p, a in zip(own, aliases)},
-                                           {id(a): p for p, a in zip(own, aliases)}))
-            self._leaves.append(aliases)
+            leaves = [self._alias_of(p) for p in own]
+            by_alias.update((id(a), p) for p, a in zip(own, leaves))
+            self._modes.append(_Substitute(self._aliases, by_alias, leaves))
+            self._leaves.append(leaves)
 
     def _alias_of(self, param: nn.Parameter) -> Tensor:
         if id(param) not in self._aliases:
@@ -147,7 +167,8 @@ class GradSink:
             return partition(*args)
 
     def leaves(self, stage: int) -> List[Tensor]:
-        """Partition ``stage``'s aliases, to backpropagate into (``inputs=``)."""
+        """Partition ``stage``'s aliases, to backpropagate into (``inputs=``); with those of
+        other partitions' parameters that its layers used (once its forward ran)."""
         return self._leaves[stage]
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:

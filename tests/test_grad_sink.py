@@ -335,3 +335,27 @@ def test_a_parameter_handed_to_a_custom_autograd_function_gets_its_gradient(mode
     _assert_same(_pipe_grads(pipe, x), expected)
     assert counts.pop("2.weight") >= 4  # per micro-batch, unlike every other parameter
     assert set(counts.values()) == {1}
+
+
+class _Side(nn.Module):
+    """Uses another layer's weight through a plain list, not a registered entry."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.refs = [weight]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.refs[0].t()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_of_another_partition_reached_through_a_plain_attribute(mode: str) -> None:
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    model.append(_Side(model[0].weight))  # partition 1 uses partition 0's weight
+    x = torch.randn(8, 6, dtype=torch.float64)
+    expected = _plain_grads(copy.deepcopy(model), x)
+    pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"], checkpoint=mode)
+    counts = _count_accumulations(pipe)
+    _assert_same(_pipe_grads(pipe, x), expected)
+    assert counts == {name: 1 for name in expected}  # both shares, summed, once
