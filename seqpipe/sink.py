@@ -60,13 +60,6 @@ def _none_in(values: Iterable[Any], aliases: Mapping[int, Tensor]) -> bool:
     return True
 
 
-def _swapped(values: Iterable[Any], aliases: Mapping[int, Tensor]) -> List[Any]:
-    """``values`` with every parameter replaced by its alias, inside lists and tuples too."""
-    get = aliases.get
-    return [value.__class__(_swapped(value, aliases)) if value.__class__ in _SEQUENCES
-            else get(id(value), value) for value in values]
-
-
 class _Substitute(TorchFunctionMode):
     """Gives autograd the aliases wherever a partition's layers pass a real parameter.
 
@@ -77,16 +70,18 @@ class _Substitute(TorchFunctionMode):
     """
 
     def __init__(self, aliases: Dict[int, Tensor], params: Dict[int, nn.Parameter],
-                 leaves: List[Tensor]) -> None:
+                 own: Sequence[nn.Parameter], leaves: List[Tensor]) -> None:
         super().__init__()
         self.aliases = aliases  # id(parameter) -> alias, for the whole pipeline
         self.params = params  # id(alias) -> parameter
-        self.leaves = leaves  # this partition's aliases
-        self.own = {id(alias) for alias in leaves}
+        self.own = {id(param) for param in own}  # this partition's parameters...
+        self.leaves = leaves  # ... and their aliases
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         aliases = self.aliases
+        if torch.compiler.is_compiling():
+            return self._traced(func, args, kwargs or {})
         for value in args:
             if id(value) in aliases or value.__class__ in _SEQUENCES:
                 break
@@ -98,22 +93,52 @@ class _Substitute(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _KEEP:
             return func(*args, **kwargs)
-        new_args = _swapped(args, aliases)
-        if kwargs:
-            kwargs = dict(zip(kwargs, _swapped(kwargs.values(), aliases)))
-        self._adopt(new_args)
-        self._adopt(kwargs.values())
-        out = func(*new_args, **kwargs)
+        swap = self._swap
+        out = func(*[swap(value) for value in args],
+                   **{key: swap(value) for key, value in kwargs.items()})
         return self.params.get(id(out), out)
 
-    def _adopt(self, values: Iterable[Any]) -> None:
-        """Add to this partition's leaves any other partition's alias among ``values``."""
-        for value in values:
-            if value.__class__ in _SEQUENCES:
-                self._adopt(value)
-            elif id(value) in self.params and id(value) not in self.own:
-                self.own.add(id(value))
-                self.leaves.append(value)
+    def _swap(self, value: Any) -> Any:
+        """``value``'s alias if it is a parameter (inside a list or tuple too)."""
+        cls = value.__class__
+        if cls in _SEQUENCES:
+            return cls([self._swap(item) for item in value])
+        alias = self.aliases.get(id(value))
+        if alias is None:
+            return value
+        if id(value) not in self.own:
+            self._adopt(value, alias)
+        return alias
+
+    @torch.compiler.disable
+    def _adopt(self, param: nn.Parameter, alias: Tensor) -> None:
+        """Another partition's parameter used here: backpropagate into its alias here too.
+
+        Never traced: a compiled layer runs it eagerly (a graph break, only where a layer
+        uses another partition's parameter)."""
+        if id(param) not in self.own:
+            self.own.add(id(param))
+            self.leaves.append(alias)
+
+    def _traced(self, func: Callable[..., Any], args: Sequence[Any],
+                kwargs: Dict[str, Any]) -> Any:
+        """The substitution as ``torch.compile`` traces it: parameters told apart by
+        type, not by looking up every tensor's ``id`` (which would make the compiled
+        code guard on the identity of each activation and recompile per micro-batch)."""
+        if func in _KEEP:
+            return func(*args, **kwargs)
+        args = [self._param_swapped(value) for value in args]
+        kwargs = {key: self._param_swapped(value) for key, value in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _param_swapped(self, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._param_swapped(v) for v in value)
+        if not isinstance(value, nn.Parameter) or id(value) not in self.aliases:
+            return value
+        if id(value) not in self.own:
+            self._adopt(value, self.aliases[id(value)])
+        return self.aliases[id(value)]
 
 
 def _alias(param: nn.Parameter) -> Tensor:
@@ -145,7 +170,7 @@ class GradSink:
             own = [p for p in partition.parameters() if p.requires_grad]  # tied ones once
             leaves = [self._alias_of(p) for p in own]
             by_alias.update((id(a), p) for p, a in zip(own, leaves))
-            self._modes.append(_Substitute(self._aliases, by_alias, leaves))
+            self._modes.append(_Substitute(self._aliases, by_alias, own, leaves))
             self._leaves.append(leaves)
 
     def _alias_of(self, param: nn.Parameter) -> Tensor:
