@@ -230,8 +230,8 @@ class Stage:
 
         The parameters' gradients accumulate into ``sink`` (the one the forward ran
         with), else into ``.grad`` (their post-accumulate hooks fire, e.g. a gradient
-        reducer's). A parameter a layer uses without its module's entry (so without the
-        alias) still gets its gradient, in ``.grad``.
+        reducer's). A parameter that reached autograd without its alias (through a custom
+        ``autograd.Function.apply``) still gets its gradient, in ``.grad``.
         """
         pairs: List[Tuple[GradientEdge, Tensor]] = [
             (r, g) for r, g in zip(state.roots, grad_outputs) if r is not None and g is not None]
@@ -240,8 +240,8 @@ class Stage:
             if root is not None and grad is not None:
                 pairs.append((root, grad))
         wrt: List[Tensor] = [state.phony] if state.phony is not None else []
-        # The real parameters too: a layer may reach one other than through its module's
-        # registered entries (say, a plain list), which an alias cannot stand in for.
+        # The real parameters too: one may reach autograd without passing through a torch
+        # function (a custom autograd.Function.apply), where no alias stands in for it.
         if sink is not None:
             wrt += sink.leaves(self.index)
         wrt += self.parameters()
