@@ -194,6 +194,8 @@ class GradSink:
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
         """Run ``partition`` (number ``stage``) on ``args`` recording its parameters' aliases."""
+        if not self._aliases:  # nothing trainable: nothing to substitute
+            return partition(*args)
         with self._modes[stage]:
             return partition(*args)
 
