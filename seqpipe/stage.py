@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import has_torch_function
 
 from seqpipe.batchnorm import DeferredBatchNorm
 from seqpipe.checkpoint import run_task
@@ -123,6 +124,19 @@ def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
     return get_gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
 
 
+def _targets(tensors: List[Tensor]) -> List[Any]:
+    """What to pass as ``inputs=`` to backpropagate into ``tensors``.
+
+    The tensors themselves, unless one has its own ``__torch_function__`` (a parameter
+    subclass): ``autograd.backward`` would then run the whole backward, a checkpoint's
+    recomputation included, inside that override, with subclass overrides disabled, so
+    the recomputation would compute something else. Their gradient edges avoid that.
+    """
+    if has_torch_function(tensors):
+        return [get_gradient_edge(t) for t in tensors]
+    return tensors
+
+
 class Stage:
     """A partition on its device, run one micro-batch task at a time."""
 
@@ -144,8 +158,11 @@ class Stage:
         """The partition as a function of its input tensors (run with ``sink``'s aliases).
 
         With ``protect``, the inputs are copied inside the function: a checkpoint keeps
-        its inputs for the recomputation, and a first layer that works in place (say
-        ``ReLU(inplace=True)`` just after a partition boundary) would overwrite them.
+        its inputs for the recomputation, and a layer that writes its input in place (say
+        ``ReLU(inplace=True)`` just after a partition boundary, at the top level, nested in
+        a block, or a custom ``x.mul_()``) would overwrite them. Which layer will write
+        cannot be known beforehand, so every checkpointed task copies (a copy per input
+        in the forward and again in the recomputation; see docs/pipe.md for its cost).
         """
         def run(*tensors: Tensor) -> Any:
             if protect:
@@ -200,8 +217,7 @@ class Stage:
             state.box.tensors = ()  # the graph holds what it needs; drop our references
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
-        protect = checkpoint and bool(getattr(self.partition[0], "inplace", False))
-        out = run_task(self._call(tracker, received.inputs.atomic, protect, sink), inputs,
+        out = run_task(self._call(tracker, received.inputs.atomic, checkpoint, sink), inputs,
                        checkpoint=checkpoint, seed=seed)
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
@@ -215,8 +231,8 @@ class Stage:
 
         The parameters' gradients accumulate into ``sink`` (the one the forward ran
         with), else into ``.grad`` (their post-accumulate hooks fire, e.g. a gradient
-        reducer's). A parameter a layer uses without its module's entry (so without the
-        alias) still gets its gradient, in ``.grad``.
+        reducer's). A parameter that reached autograd without its alias (through a custom
+        ``autograd.Function.apply``) still gets its gradient, in ``.grad``.
         """
         pairs: List[Tuple[GradientEdge, Tensor]] = [
             (r, g) for r, g in zip(state.roots, grad_outputs) if r is not None and g is not None]
@@ -225,14 +241,14 @@ class Stage:
             if root is not None and grad is not None:
                 pairs.append((root, grad))
         wrt: List[Tensor] = [state.phony] if state.phony is not None else []
-        # The real parameters too: a layer may reach one other than through its module's
-        # registered entries (say, a plain list), which an alias cannot stand in for.
+        # The real parameters too: one may reach autograd without passing through a torch
+        # function (a custom autograd.Function.apply), where no alias stands in for it.
         if sink is not None:
             wrt += sink.leaves(self.index)
         wrt += self.parameters()
         if pairs and wrt:
             roots, grads = zip(*pairs)
-            torch.autograd.backward(list(roots), list(grads), inputs=wrt)
+            torch.autograd.backward(list(roots), list(grads), inputs=_targets(wrt))
         return self._received_grads(state)
 
     @staticmethod

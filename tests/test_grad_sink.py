@@ -163,3 +163,251 @@ def test_a_parameter_reached_outside_its_module_entries_still_gets_its_gradient(
     expected = _plain_grads(model, x)
     pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"])
     _assert_same(_pipe_grads(pipe, x), expected)
+
+
+# -- layers see their own parameter objects (the aliases stay inside autograd) ----------
+
+
+class Tagged(nn.Parameter):
+    """A Parameter subclass, as libraries define them to carry metadata."""
+
+
+class Scaled(nn.Parameter):
+    """A Parameter subclass with its own ``__torch_function__``: doubled inside linear."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is nn.functional.linear:
+            args = (args[0], args[1] * 2, *args[2:])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class Inspects(nn.Module):
+    """Computes with what it finds on its parameter, and records what it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = Tagged(torch.randn(8, 8, dtype=torch.float64))
+        self.weight.scale = 3.0  # type: ignore[attr-defined]
+        self.original = [self.weight]  # the object, out of the module's entries
+        self.factors = {self.weight: 0.5}  # a dict keyed by the parameter (hash)
+        self.seen: List[tuple] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        self.seen.append((isinstance(w, nn.Parameter), type(w), w is self.original[0],
+                          getattr(w, "scale", None), w.to(w.dtype) is w,
+                          None if w.grad is None else w.grad.clone()))
+        scale = w.scale if isinstance(w, nn.Parameter) else 1.0  # type: ignore[attr-defined]
+        return torch.tanh(x @ w.t()) * scale * self.factors[w]
+
+
+def _inspecting_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), Inspects(), nn.Linear(8, 8),
+                         Inspects(), nn.Linear(8, 3)).double()
+
+
+def _count_accumulations(model: nn.Module) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: counts.__setitem__(name, counts.get(name, 0) + 1))
+    return counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layers_see_their_own_parameters_during_a_training_call(mode: str) -> None:
+    model, plain = _inspecting_model(), _inspecting_model()  # (deepcopy drops attributes)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = Pipe(model, chunks=4, balance=[3, 3], devices=["cpu", "cpu"], checkpoint=mode)
+    counts = _count_accumulations(pipe)
+    for step in range(2):  # the second step's layers read the first step's .grad
+        expected = plain(x)
+        expected.square().mean().backward()
+        out = pipe(x)
+        torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)
+        out.square().mean().backward()
+        assert counts == {name: step + 1 for name, _ in pipe.named_parameters()}
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10, msg=name)
+    for layer in (model[2], model[4]):
+        assert layer.seen  # forwards and recomputations alike
+        for is_param, kind, same, scale, to_self, _ in layer.seen:
+            assert (is_param, kind, same, scale, to_self) == (True, Tagged, True, 3.0, True)
+        steps = [grad for *_, grad in layer.seen]
+        assert steps[0] is None  # what the plain model's layer read: .grad before the step
+        torch.testing.assert_close(steps[-1], plain[2 if layer is model[2] else 4].weight.grad / 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_subclass_keeps_its_own_torch_function(mode: str) -> None:
+    model = _model()
+    model[2].weight = Scaled(model[2].weight.detach().clone())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    expected = _plain_grads(copy.deepcopy(model), x)
+    pipe = Pipe(model, chunks=4, balance=[3, 4], devices=["cpu", "cpu"], checkpoint=mode)
+    counts = _count_accumulations(pipe)
+    _assert_same(_pipe_grads(pipe, x), expected)
+    assert type(model[2].weight) is Scaled and set(counts.values()) == {1}
+
+
+class Gathers(nn.Module):
+    """Parameters reach torch inside a list (``torch.cat``, an RNN's flat weights) and as
+    keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 8, dtype=torch.float64))
+        self.b = nn.Parameter(torch.randn(4, 8, dtype=torch.float64))
+        self.c = nn.Parameter(torch.randn(8, dtype=torch.float64))
+        self.rnn = nn.GRU(8, 8, batch_first=True).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = torch.cat([self.a, self.b], dim=0)
+        h = torch.add(x @ w.t(), other=self.c, alpha=2.0)
+        return self.rnn(h.unsqueeze(1))[0].squeeze(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameters_in_lists_and_keywords_reach_the_sums(mode: str) -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), Gathers(), nn.Linear(8, 3)).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    expected = _plain_grads(copy.deepcopy(model), x)
+    pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"], checkpoint=mode)
+    counts = _count_accumulations(pipe)  # once each: every use went through an alias
+    _assert_same(_pipe_grads(pipe, x), expected)
+    assert counts == {name: 1 for name in expected}
+
+
+class Symmetric(nn.Module):
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight.triu() + weight.triu(1).t()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parametrized_weight(mode: str) -> None:
+    model = _model()
+    torch.nn.utils.parametrize.register_parametrization(model[2], "weight", Symmetric())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    expected = _plain_grads(copy.deepcopy(model), x)
+    pipe = Pipe(model, chunks=4, balance=[3, 4], devices=["cpu", "cpu"], checkpoint=mode)
+    counts = _count_accumulations(pipe)
+    _assert_same(_pipe_grads(pipe, x), expected)
+    assert counts == {name: 1 for name in expected}
+
+
+class _MatMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ x
+
+
+class CustomFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _MatMul.apply(x, self.weight)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_handed_to_a_custom_autograd_function_gets_its_gradient(mode: str) -> None:
+    # Function.apply does not go through __torch_function__: autograd records the real
+    # parameter, whose gradient then lands in .grad once per micro-batch (documented).
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), CustomFunction(), nn.Tanh(),
+                          nn.Linear(8, 3)).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    expected = _plain_grads(copy.deepcopy(model), x)
+    pipe = Pipe(model, chunks=4, balance=[2, 3], devices=["cpu", "cpu"], checkpoint=mode)
+    counts = _count_accumulations(pipe)
+    _assert_same(_pipe_grads(pipe, x), expected)
+    assert counts.pop("2.weight") >= 4  # per micro-batch, unlike every other parameter
+    assert set(counts.values()) == {1}
+
+
+class _Side(nn.Module):
+    """Uses another layer's weight through a plain list, not a registered entry."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.refs = [weight]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.refs[0].t()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_of_another_partition_reached_through_a_plain_attribute(mode: str) -> None:
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    model.append(_Side(model[0].weight))  # partition 1 uses partition 0's weight
+    x = torch.randn(8, 6, dtype=torch.float64)
+    expected = _plain_grads(copy.deepcopy(model), x)
+    pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"], checkpoint=mode)
+    counts = _count_accumulations(pipe)
+    _assert_same(_pipe_grads(pipe, x), expected)
+    assert counts == {name: 1 for name in expected}  # both shares, summed, once
+
+
+def _counting_backend(graphs: List[object]):  # type: ignore[no-untyped-def]
+    def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_a_compiled_layer_is_compiled_once_and_trains_like_the_plain_model(mode: str) -> None:
+    # One CPU partition: with two, the private random streams keep dynamo from compiling.
+    def build() -> nn.Sequential:
+        torch.manual_seed(7)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                             nn.Linear(8, 3)).double()
+
+    graphs: List[object] = []
+    plain, model = build(), build()
+    model[2] = torch.compile(model[2], backend=_counting_backend(graphs))
+    pipe = Pipe(model, chunks=2, balance=[5], devices=["cpu"], checkpoint=mode)
+    counts = _count_accumulations(pipe)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, model)]
+    for step in range(3):  # the weights change between calls: no stale alias is baked in
+        x = torch.randn(4, 6, dtype=torch.float64)
+        for opt in optimizers:
+            opt.zero_grad()
+        expected = plain(x)
+        expected.square().sum().backward()
+        out = pipe(x)
+        torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)
+        out.square().sum().backward()
+        for a, b in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10)
+        assert set(counts.values()) == {step + 1}  # through the alias: once per backward
+        for opt in optimizers:
+            opt.step()
+    assert len(graphs) == 1  # not recompiled per micro-batch or per call
+
+
+def test_a_compiled_layer_using_another_partitions_parameter() -> None:
+    first = nn.Linear(4, 4)
+    side = _Side(first.weight)
+    compiled = torch.compile(side, backend="eager")
+    sink = GradSink([nn.Sequential(first), nn.Sequential(side)])
+    x = torch.randn(3, 4)
+    for _ in range(2):  # two micro-batches into one alias
+        out = sink.call(1, compiled, x)
+        torch.autograd.backward([out.sum()], inputs=sink.leaves(1))
+    assert first.weight.grad is None
+    torch.testing.assert_close(dict(sink.take())[first.weight],
+                               2 * torch.ones(4, 1) * x.sum(0, keepdim=True))
