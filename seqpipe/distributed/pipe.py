@@ -20,6 +20,7 @@ from seqpipe.distributed.data_parallel import (
     check_data_parallel_group,
 )
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
+from seqpipe.distributed.materialize import materialize
 from seqpipe.distributed.mesh import reverse_group
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, messages, pipeline_channels
 from seqpipe.distributed.step import Call, LossFn, describe
@@ -54,18 +55,6 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _materialize(partition: nn.Module, device: torch.device) -> None:
-    """Give layers built on the ``meta`` device real storage, freshly initialised."""
-    if not any(t.is_meta for t in (*partition.parameters(), *partition.buffers())):
-        partition.to(device)
-        return
-    partition.to_empty(device=device)
-    for module in partition.modules():
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-
-
 def _fingerprint(module: nn.Sequential, config: Tuple[Any, ...]) -> int:
     """A checksum of the model's structure and the pipeline's settings, equal on every rank."""
     parts = [repr(config)]
@@ -98,6 +87,9 @@ class DistributedPipe(nn.Module):
         deferred_batch_norm: BatchNorm running statistics once per mini-batch.
         group: the pipeline's process group.
         device: where this stage runs (default: the current CUDA device, else CPU).
+        base_seed: layers built on ``meta`` are initialised from seed ``base_seed + i``
+            (layer ``i``), so their values do not depend on the split (see
+            ``seqpipe.seeding``); default: ``reset_parameters()`` with this rank's RNG.
         data_parallel_group: replicas of this stage; gradients are averaged over it.
         broadcast_buffers: with ``data_parallel_group``, copy the stage's buffers (say,
             BatchNorm running statistics) from the group's first rank to the others at
@@ -110,7 +102,7 @@ class DistributedPipe(nn.Module):
                  deferred_batch_norm: bool = False, group: Optional[dist.ProcessGroup] = None,
                  device: Union[str, torch.device, None] = None,
                  data_parallel_group: Optional[dist.ProcessGroup] = None,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, base_seed: Optional[int] = None) -> None:
         super().__init__()
         verify_module(module)
         if not dist.is_available() or not dist.is_initialized():
@@ -126,6 +118,11 @@ class DistributedPipe(nn.Module):
         self.checkpoint = check_mode(checkpoint)
         self.schedule = get_schedule(schedule)
         self.device = torch.device(device) if device is not None else _default_device()
+        if self.device.type == "meta":
+            raise ValueError("device='meta' holds no values to train; give the stage a real "
+                             "device (build the model on meta instead: each rank then "
+                             "materialises its own layers on its device)")
+        self.base_seed = base_seed
         self.broadcast_buffers = bool(broadcast_buffers)
         self.balance = self._resolve_balance(module, balance)
         validate_schedule(self.schedule, self.num_stages, self.chunks, **_RUNS)
@@ -143,7 +140,8 @@ class DistributedPipe(nn.Module):
                 drop_layer(layer, keep=partition)  # not ours: free it (but not what we share)
         tied_on_meta = self._tied_on_meta()
         with ties_kept(partition):
-            _materialize(partition, self.device)
+            materialize([(n, name, layer) for n, (name, layer) in enumerate(named)
+                         if start <= n < stop], self.device, base_seed)
         if deferred_batch_norm:
             convert_deferred_batch_norm(partition)
         object.__setattr__(self, "partition", partition)  # a view: its layers are registered
@@ -201,7 +199,8 @@ class DistributedPipe(nn.Module):
 
     def _check_same_everywhere(self, module: nn.Sequential) -> int:
         config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
-                  self.num_stages, self.broadcast_buffers, [tie.names for tie in self.ties])
+                  self.num_stages, self.broadcast_buffers, [tie.names for tie in self.ties],
+                  self.base_seed)
         mine = torch.tensor([_fingerprint(module, config)], dtype=torch.int64,
                             device=self.device)
         everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
