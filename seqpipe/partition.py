@@ -14,8 +14,8 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from seqpipe.arguments import layer_counts
 
-__all__ = ["Device", "check_balance", "verify_module", "split_by_balance", "split_by_placement",
-           "layer_device", "default_devices"]
+__all__ = ["Device", "check_balance", "refuse_meta", "verify_module", "split_by_balance",
+           "split_by_placement", "layer_device", "default_devices"]
 
 Device = Union[str, int, torch.device]
 
@@ -44,6 +44,20 @@ def verify_module(module: object) -> None:
             f"batch to initialize them, then wrap it")
 
 
+def refuse_meta(module: nn.Sequential) -> None:
+    """Raise ``ValueError`` if a layer is on ``meta``: a partition there holds no values
+    (training would "run" and fail only when a value is read)."""
+    on_meta = [name for name, t in (*module.named_parameters(), *module.named_buffers())
+               if t.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"{', '.join(on_meta[:3])}{' and others' if len(on_meta) > 3 else ''} are on the "
+            f"meta device and hold no values; materialise the model first (e.g. "
+            f"model.to_empty(device=...) and load a checkpoint or seqpipe.seeding.seed_layers"
+            f"(model, seed)), or use seqpipe.distributed.DistributedPipe, which materialises "
+            f"each stage on its own device")
+
+
 def default_devices(count: int) -> List[torch.device]:
     """The visible CUDA devices, or ``cpu`` for every partition when there is no GPU."""
     if torch.cuda.is_available():
@@ -67,6 +81,9 @@ def split_by_balance(module: nn.Sequential, balance: Sequence[int],
         raise IndexError(
             f"{len(balance)} partitions need {len(balance)} devices, got {len(resolved)}; "
             f"pass more devices or fewer balance entries")
+    if any(d.type == "meta" for d in resolved[:len(balance)]):
+        raise ValueError(f"devices {[str(d) for d in resolved[:len(balance)]]} include meta, "
+                         f"where a partition holds no values; give real devices")
     layers = list(module.children())
     partitions, start = [], 0
     for count, device in zip(balance, resolved):

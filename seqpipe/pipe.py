@@ -11,7 +11,13 @@ from seqpipe.arguments import check_chunks
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.microbatch import Batch, TensorOrTensors, check_input, gather, scatter
-from seqpipe.partition import Device, split_by_balance, split_by_placement, verify_module
+from seqpipe.partition import (
+    Device,
+    refuse_meta,
+    split_by_balance,
+    split_by_placement,
+    verify_module,
+)
 from seqpipe.pipeline import LocalPipeline, LocalRun
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
@@ -122,8 +128,10 @@ class Pipe(nn.Module):
             if devices is not None:
                 raise ValueError("devices is given without balance; give balance too, or "
                                  "place the layers yourself and pass neither")
-            partitions, balance, placed = split_by_placement(module)
+            partitions, balance, placed = split_by_placement(module)  # moves nothing
+            refuse_meta(module)
         else:
+            refuse_meta(module)  # before any layer moves
             partitions, balance, placed = split_by_balance(module, balance, devices)
         layout = inspect_skip_layout(module, balance)
         if deferred_batch_norm:

@@ -341,3 +341,20 @@ def test_more_devices_than_partitions_uses_the_first():
     assert pipe.devices == [torch.device("cpu")] * 2
     x = torch.randn(4, 3)
     assert torch.allclose(pipe(x), nn.Sequential(*pipe)(x))
+
+
+def test_layers_on_meta_are_refused_with_the_mend():
+    with torch.device("meta"):
+        model = mlp()
+    for kwargs in ({}, {"balance": [2, 1], "devices": ["cpu", "cpu"]}):
+        with pytest.raises(ValueError, match=r"0.weight, 0.bias, 2.weight and others are on "
+                                             r"the meta device and hold no values; .*"
+                                             r"DistributedPipe"):
+            Pipe(model, **kwargs)
+
+
+def test_a_meta_device_is_refused_before_any_layer_moves():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"devices \['cpu', 'meta'\] include meta"):
+        Pipe(model, balance=[2, 1], devices=["cpu", "meta"])
+    assert not any(p.is_meta for p in model.parameters())
