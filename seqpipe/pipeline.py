@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe.microbatch import Batch
-from seqpipe.rng import draw_seeds
+from seqpipe.rng import draw_seeds, needs_private_rng
 from seqpipe.schedule import Action, FillDrain, Schedule, backward_phase, forward_phase
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
@@ -49,7 +49,7 @@ class LocalPipeline:
         self.stages = list(stages)
         self.layout = layout
         self.schedule = schedule or FillDrain()
-        self.isolate_rng = sum(s.device.type == "cpu" for s in self.stages) > 1
+        self.isolate_rng = needs_private_rng([s.device for s in self.stages])
 
     @property
     def devices(self) -> List[torch.device]:
