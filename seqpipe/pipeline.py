@@ -22,7 +22,8 @@ from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
 from seqpipe.stage import Grads, Received, Stage, TaskState, moved, wants_grad
 from seqpipe.stream import move
-from seqpipe.worker import Mailbox, Program, ThreadState, run_groups
+from seqpipe.thread_state import ThreadState
+from seqpipe.worker import Mailbox, Program, run_groups
 
 __all__ = ["LocalPipeline", "LocalRun"]
 
@@ -54,6 +55,9 @@ class LocalPipeline:
     @property
     def devices(self) -> List[torch.device]:
         return [s.device for s in self.stages]
+
+    def _cpu_stages(self) -> int:
+        return sum(s.device.type == "cpu" for s in self.stages)
 
     def _actions(self, stage: int, m: int) -> List[Action]:
         return list(self.schedule.actions(stage, len(self.stages), m))
@@ -96,7 +100,8 @@ class LocalPipeline:
                            self.stages[s].device)
 
         try:
-            run_groups([[program(s)] for s in range(k)], mailbox, ThreadState())
+            run_groups([[program(s)] for s in range(k)], mailbox,
+                       ThreadState(concurrent=self._cpu_stages()))
         except BaseException:
             for stage in self.stages:
                 stage.finish_forward(failed=True)
@@ -158,7 +163,7 @@ class LocalPipeline:
         inline = [p for p in programs if p.device.type != "cpu"]
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         run_groups([inline, *threaded] if inline else threaded, mailbox,
-                   ThreadState(autocast=False))
+                   ThreadState(concurrent=len(threaded)))
         return dict(run.sink.take()) if run.sink is not None else {}
 
     def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,
