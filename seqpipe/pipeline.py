@@ -101,7 +101,7 @@ class LocalPipeline:
 
         try:
             run_groups([[program(s)] for s in range(k)], mailbox,
-                       ThreadState(concurrent=self._cpu_stages()))
+                       ThreadState(concurrent=self._cpu_stages(), devices=self.devices))
         except BaseException:
             for stage in self.stages:
                 stage.finish_forward(failed=True)
@@ -163,7 +163,7 @@ class LocalPipeline:
         inline = [p for p in programs if p.device.type != "cpu"]
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         run_groups([inline, *threaded] if inline else threaded, mailbox,
-                   ThreadState(concurrent=len(threaded)))
+                   ThreadState(concurrent=len(threaded), devices=self.devices))
         return dict(run.sink.take()) if run.sink is not None else {}
 
     def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,

@@ -3,12 +3,14 @@
 PyTorch keeps many settings per thread: the saved-tensor hooks
 (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``), the Python mode stacks
 (``TorchDispatchMode`` such as ``FlopCounterMode``, ``TorchFunctionMode`` such as
-``with torch.device(...)`` and ``torch.set_default_device``), autocast, inference mode and
-the intra-op thread count. Autograd carries them into its own threads (a C++
-``ThreadLocalStateGuard``), but that mechanism has no Python binding (PyTorch 2.13), so a
-``ThreadState`` captures each Python-visible piece on the caller's thread when a call
-starts (forward or backward) and re-enters it, through PyTorch's own stack APIs, on every
-worker thread before the stage runs: the mode objects are the caller's own, not copies.
+``with torch.device(...)`` and ``torch.set_default_device``), autocast, inference mode,
+the intra-op thread count and the current stream of each accelerator. Autograd carries
+them into its own threads (a C++ ``ThreadLocalStateGuard``), but that mechanism has no
+Python binding (PyTorch 2.13). So a ``ThreadState`` captures each Python-visible piece
+on the caller's thread when a call starts (forward or backward) and re-enters it,
+through PyTorch's own stack APIs, on every worker thread before the stage runs: the
+mode objects are the caller's own, not copies.
+
 seqpipe's own modes (private RNG, parameter aliases) are entered later, inside each stage
 call, so they sit above the caller's, as they do on the caller's thread.
 
@@ -26,11 +28,13 @@ value is the user's choice and every stage gets it as it is.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+from seqpipe.stream import on_stream
 
 __all__ = ["ThreadState", "stage_threads"]
 
@@ -91,11 +95,15 @@ def intra_op_threads(count: int) -> Iterator[None]:
 class ThreadState:
     """The caller's thread-local settings, captured now, to replay in worker threads.
 
-    ``concurrent`` is how many CPU stages run at once (they share the intra-op threads).
+    ``concurrent`` is how many CPU stages run at once (they share the intra-op threads);
+    the current stream of each accelerator in ``devices`` is carried too, so that stages
+    on one device, and the caller, work on one stream.
     """
 
-    def __init__(self, *, concurrent: int = 1) -> None:
+    def __init__(self, *, concurrent: int = 1, devices: Sequence[torch.device] = ()) -> None:
         self.threads = stage_threads(torch.get_num_threads(), concurrent)
+        self.streams = [torch.accelerator.current_stream(d)
+                        for d in dict.fromkeys(devices) if d.type != "cpu"]
         self.autocast: List[Tuple[str, torch.dtype]] = [
             (kind, torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_KINDS
             if torch.is_autocast_enabled(kind)]
@@ -115,6 +123,8 @@ class ThreadState:
     def enter(self, stack: ExitStack) -> None:
         """On a worker thread: everything, innermost last as on the caller's thread."""
         self.share_threads(stack)
+        for stream in self.streams:
+            stack.enter_context(on_stream(stream))
         if self.inference:
             stack.enter_context(torch.inference_mode())
         for kind, dtype in self.autocast:
