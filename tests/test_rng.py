@@ -95,6 +95,19 @@ def test_fixed_global_seed_fixes_every_draw():
     assert not torch.equal(run(1), run(2))
 
 
+def test_a_single_partition_draws_what_the_unwrapped_model_draws():
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16))
+
+    x = torch.randn(8, 16)
+    plain, pipe = build(), Pipe(build(), chunks=1, balance=[3], devices=["cpu"])
+    torch.manual_seed(5)
+    expected = plain(x)
+    torch.manual_seed(5)
+    assert torch.equal(pipe(x), expected)
+
+
 def test_native_dropout_keeps_its_contract():
     x = torch.randn(64, 32, requires_grad=True)
     with isolated_rng(3):
