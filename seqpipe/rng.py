@@ -62,6 +62,15 @@ def _route(func: Any) -> Any:
     return route
 
 
+def _generator_position(func: Any) -> int:
+    """Where ``generator`` sits among the positional arguments (a large number if it is
+    keyword-only, as in most random ops)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "generator":
+            return 1 << 30 if arg.kwarg_only else i
+    return 1 << 30
+
+
 def _device_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.device:
     device = kwargs.get("device")
     if device is not None:
@@ -98,9 +107,14 @@ class _PrivateGenerator(TorchDispatchMode):
         route = _route(func)
         if route is _NO_GENERATOR or kwargs.get("generator") is not None:
             return func(*args, **kwargs)
+        position = _generator_position(route)
+        if position < len(args) and args[position] is not None:
+            return func(*args, **kwargs)  # given a generator positionally
         generator = self._generator(_device_of(args, kwargs))
         if generator is None:
             return func(*args, **kwargs)
+        if position < len(args):
+            return route(*args[:position], generator, *args[position + 1:], **kwargs)
         return route(*args, **{**kwargs, "generator": generator})
 
     def _native_dropout(self, func: Any, input: Tensor, p: float,

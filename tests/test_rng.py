@@ -127,6 +127,18 @@ def test_a_given_generator_is_respected():
     assert torch.equal(a, torch.randn(5, generator=torch.Generator().manual_seed(7)))
 
 
+def test_a_positional_generator_argument_is_filled_in_place():
+    """``poisson`` takes its generator positionally (most random ops take it by keyword);
+    the omitted and the explicit ``None`` forms both get the private one."""
+    rates = torch.full((256,), 4.0)
+    with isolated_rng(3):
+        omitted = torch.ops.aten.poisson(rates)
+    with isolated_rng(3):
+        explicit = torch.ops.aten.poisson(rates, None)
+    assert torch.equal(omitted, explicit)
+    assert torch.equal(omitted, torch.poisson(rates, torch.Generator().manual_seed(3)))
+
+
 @pytest.mark.parametrize("devices, private", [
     (["cpu"], False),
     (["cuda:0"], False),
