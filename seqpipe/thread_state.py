@@ -42,12 +42,15 @@ _DEFAULT_THREADS = torch.get_num_threads()  # torch's default, before any user c
 _AUTOCAST_KINDS = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 
-def stage_threads(caller: int, concurrent: int, default: int = _DEFAULT_THREADS) -> int:
+def stage_threads(caller: int, concurrent: int, default: Optional[int] = None) -> int:
     """Intra-op threads for each of ``concurrent`` stages that run at once.
 
     The caller's count ``caller`` is shared (``caller // concurrent``, at least one) while it
-    is torch's ``default``; a count the user chose is kept for every stage.
+    is torch's ``default`` (by default, the count at import); a count the user chose is
+    kept for every stage.
     """
+    if default is None:
+        default = _DEFAULT_THREADS
     if caller != default or concurrent <= 1:
         return caller
     return max(1, caller // concurrent)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+import seqpipe.thread_state as thread_state
 from seqpipe import Pipe
 from seqpipe.thread_state import stage_threads
 
@@ -221,19 +222,40 @@ def test_concurrent_stages_share_the_default_intra_op_threads(caller, concurrent
     assert stage_threads(caller, concurrent, default) == share
 
 
-def test_worker_threads_use_their_share_and_the_caller_gets_its_count_back():
+@pytest.mark.parametrize("caller, share", [(2, 1), (3, 3)])  # default 2; 3 set by the user
+def test_worker_threads_use_their_share_and_the_caller_gets_its_count_back(
+        monkeypatch, caller, share):
     seen: Dict[str, int] = {}
 
     class Threads(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
-            seen[threading.current_thread().name] = torch.get_num_threads()
+            seen[f"{threading.current_thread().name} grad={torch.is_grad_enabled()}"] = (
+                torch.get_num_threads())
             return x
 
-    before = torch.get_num_threads()
-    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Threads(), nn.Linear(4, 4), Threads()),
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+            seen[f"{threading.current_thread().name} backward"] = torch.get_num_threads()
+            return grad
+
+    class Both(Threads):
+        def forward(self, x: Tensor) -> Tensor:
+            return Backward.apply(super().forward(x))
+
+    monkeypatch.setattr(thread_state, "_DEFAULT_THREADS", 2)
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Both(), nn.Linear(4, 4), Both()),
                 chunks=2, balance=[2, 2], devices=["cpu", "cpu"])
-    with torch.no_grad():
-        pipe(torch.randn(4, 4))
-    expected = stage_threads(before, 2)
-    assert len(seen) == 2 and set(seen.values()) == {expected}
-    assert torch.get_num_threads() == before
+    torch.set_num_threads(caller)
+    try:
+        pipe(torch.randn(4, 4)).sum().backward()
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(1)
+    assert len(seen) == 4  # two stages, forward and backward
+    assert set(seen.values()) == {share}
+    assert after == caller
