@@ -75,16 +75,19 @@ _COPY_STREAMS = CopyStreams()
 @contextmanager
 def on_stream(stream: Optional[torch.Stream]) -> Iterator[None]:
     """``stream`` current on its device inside the block (thread-safe, unlike ``with
-    stream:``, which keeps the stream it replaced on the shared stream object)."""
+    stream:``, which keeps the stream it replaced on the shared stream object). Setting a
+    stream also makes its device current; the current device is restored too."""
     if stream is None:
         yield
         return
+    device = torch.accelerator.current_device_index()
     before = torch.accelerator.current_stream(stream.device)
     torch.accelerator.set_stream(stream)
     try:
         yield
     finally:
         torch.accelerator.set_stream(before)
+        torch.accelerator.set_device_index(device)
 
 
 def move(tensor: Optional[Tensor], device: torch.device,

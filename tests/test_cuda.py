@@ -105,6 +105,8 @@ def test_copy_between_gpus_runs_on_the_pairs_streams() -> None:
     expected = a.cpu()
     torch.cuda._sleep(50_000_000)  # keep cuda:0's compute stream busy
     moved = move(a * 1, torch.device("cuda", 1))
+    assert torch.cuda.current_device() == 0  # setting the copy streams did not move it
+    assert torch.cuda.current_stream(0) == torch.cuda.default_stream(0)
     pair = _COPY_STREAMS.pair(torch.device("cuda", 0), torch.device("cuda", 1))
     assert pair.source.device == torch.device("cuda", 0)
     assert pair.destination.device == torch.device("cuda", 1)
