@@ -77,8 +77,10 @@ def run_task(function: Callable[..., Any], args: Tuple[Any, ...], *, checkpoint:
              seed: Optional[int]) -> Any:
     """Run one (stage, micro-batch) forward, checkpointed or not.
 
-    ``seed`` selects a private random stream (see ``seqpipe.rng``); ``None`` keeps the
-    global generators, whose state the checkpoint saves and restores itself.
+    ``seed`` selects private random streams (see ``seqpipe.rng``), which the
+    recomputation replays from the same seed; ``None`` keeps the global generators, whose
+    state the checkpoint saves and restores itself (right only while no other thread
+    draws from them: a single-stage pipeline, or one stage per process).
     """
     if not checkpoint:
         with _rng(seed):

@@ -15,14 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe.microbatch import Batch
-from seqpipe.rng import draw_seeds
+from seqpipe.rng import draw_seeds, needs_private_rng
 from seqpipe.schedule import Action, FillDrain, Schedule, backward_phase, forward_phase
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
 from seqpipe.stage import Grads, Received, Stage, TaskState, moved, wants_grad
 from seqpipe.stream import move
-from seqpipe.worker import Mailbox, Program, ThreadState, run_groups
+from seqpipe.thread_state import ThreadState
+from seqpipe.worker import Mailbox, Program, run_groups
 
 __all__ = ["LocalPipeline", "LocalRun"]
 
@@ -49,11 +50,14 @@ class LocalPipeline:
         self.stages = list(stages)
         self.layout = layout
         self.schedule = schedule or FillDrain()
-        self.isolate_rng = sum(s.device.type == "cpu" for s in self.stages) > 1
+        self.isolate_rng = needs_private_rng([s.device for s in self.stages])
 
     @property
     def devices(self) -> List[torch.device]:
         return [s.device for s in self.stages]
+
+    def _cpu_stages(self) -> int:
+        return sum(s.device.type == "cpu" for s in self.stages)
 
     def _actions(self, stage: int, m: int) -> List[Action]:
         return list(self.schedule.actions(stage, len(self.stages), m))
@@ -96,7 +100,8 @@ class LocalPipeline:
                            self.stages[s].device)
 
         try:
-            run_groups([[program(s)] for s in range(k)], mailbox, ThreadState())
+            run_groups([[program(s)] for s in range(k)], mailbox,
+                       ThreadState(concurrent=self._cpu_stages(), devices=self.devices))
         except BaseException:
             for stage in self.stages:
                 stage.finish_forward(failed=True)
@@ -158,7 +163,7 @@ class LocalPipeline:
         inline = [p for p in programs if p.device.type != "cpu"]
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         run_groups([inline, *threaded] if inline else threaded, mailbox,
-                   ThreadState(autocast=False))
+                   ThreadState(concurrent=len(threaded), devices=self.devices))
         return dict(run.sink.take()) if run.sink is not None else {}
 
     def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,

@@ -1,46 +1,139 @@
-"""Per-task random streams for CPU stages that run side by side in threads.
+"""Private, replayable random streams for stages that run side by side in threads.
 
-PyTorch has one global CPU generator. When two CPU partitions run in two threads, their
-random ops (dropout) draw from it in whatever order the threads happen to reach it, so
-results would change from run to run and a checkpoint's recomputation could not replay
-the mask of the original forward. Each (stage, micro-batch) task therefore draws from
-a private generator seeded from the global one in a fixed order; recomputation reseeds
-it with the same seed. CUDA devices each have their own generator and one worker, so
-they keep ``torch.utils.checkpoint``'s own RNG preservation.
+PyTorch has one global generator per device (one for the CPU, one per GPU). When two
+stages run at once in two threads, their random ops (dropout) draw from a shared
+generator in whatever order the threads happen to reach it, so results change from run
+to run; and ``torch.utils.checkpoint``'s RNG preservation (save the device generator's
+state at the forward, restore it for the recomputation) replays another mask as soon as
+a second thread advances that generator in between. That happens on the CPU with two
+``cpu`` stages, and on an accelerator with two stages on one device, or with any stage
+whose checkpoint forks the CPU generator while another thread draws from it.
+
+Each (stage, micro-batch) task therefore draws from private generators, one per device
+it draws on (``torch.Generator(device=...)``), all seeded with the task's seed; the
+seeds are drawn from the global CPU generator in a fixed order, so a fixed global seed
+fixes every mask. The recomputation runs with fresh generators from the same seed, and
+so replays the forward's draws exactly. A ``TorchDispatchMode`` hands the generator to
+every random op that was not given one: ops with a ``generator`` argument get it, ops
+with a sibling overload that takes one (``randn``, ``rand_like``, ``randint``...) are
+redirected to it, and ``native_dropout`` (the fused dropout of accelerators, which takes
+no generator) is computed from a ``bernoulli_`` draw on the private generator.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["draw_seeds", "isolated_rng"]
+__all__ = ["draw_seeds", "isolated_rng", "needs_private_rng"]
 
-_TAKES_GENERATOR: Dict[Any, bool] = {}
+_aten = torch.ops.aten
+_NO_GENERATOR = object()
+_ROUTES: Dict[Any, Any] = {}  # op overload -> itself, its generator overload, or _NO_GENERATOR
+
+
+def _arg_names(func: Any) -> List[str]:
+    return [a.name for a in func._schema.arguments if a.name != "generator"]
 
 
 def _takes_generator(func: Any) -> bool:
-    known = _TAKES_GENERATOR.get(func)
-    if known is None:
-        known = any(arg.name == "generator" for arg in func._schema.arguments)
-        _TAKES_GENERATOR[func] = known
-    return known
+    return any(a.name == "generator" for a in func._schema.arguments)
+
+
+def _route(func: Any) -> Any:
+    """The overload to call with a ``generator``: ``func`` itself or its sibling taking one."""
+    route = _ROUTES.get(func)
+    if route is None:
+        route = _NO_GENERATOR
+        if _takes_generator(func):
+            route = func
+        else:
+            packet, names = func.overloadpacket, _arg_names(func)
+            for name in packet.overloads():
+                sibling = getattr(packet, name)
+                if _takes_generator(sibling) and _arg_names(sibling) == names:
+                    route = sibling
+                    break
+        _ROUTES[func] = route
+    return route
+
+
+def _generator_position(func: Any) -> int:
+    """Where ``generator`` sits among the positional arguments (a large number if it is
+    keyword-only, as in most random ops)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "generator":
+            return 1 << 30 if arg.kwarg_only else i
+    return 1 << 30
+
+
+def _device_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.device:
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device)
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")
 
 
 class _PrivateGenerator(TorchDispatchMode):
-    """Gives every random CPU op that was not handed a generator the task's own."""
+    """Gives every random op that was not handed a generator the task's own, per device."""
 
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, seed: int) -> None:
         super().__init__()
-        self.generator = generator
+        self.seed = seed
+        self.generators: Dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> Optional[torch.Generator]:
+        if device.type == "meta":
+            return None
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, torch.accelerator.current_device_index())
+        generator = self.generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self.generators[device] = generator
+        return generator
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if _takes_generator(func) and kwargs.get("generator") is None:
-            kwargs = {**kwargs, "generator": self.generator}
-        return func(*args, **kwargs)
+        if func is _aten.native_dropout.default:
+            return self._native_dropout(func, *args, **kwargs)
+        route = _route(func)
+        if route is _NO_GENERATOR or kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        position = _generator_position(route)
+        if position < len(args) and args[position] is not None:
+            return func(*args, **kwargs)  # given a generator positionally
+        generator = self._generator(_device_of(args, kwargs))
+        if generator is None:
+            return func(*args, **kwargs)
+        if position < len(args):
+            return route(*args[:position], generator, *args[position + 1:], **kwargs)
+        return route(*args, **{**kwargs, "generator": generator})
+
+    def _native_dropout(self, func: Any, input: Tensor, p: float,
+                        train: Optional[bool]) -> Tuple[Tensor, Tensor]:
+        generator = self._generator(input.device)
+        if not train or p == 0 or p == 1 or generator is None:
+            return func(input, p, train)
+        keep = torch.empty_like(input).bernoulli_(1 - p, generator=generator).bool()
+        return input * keep * (1.0 / (1 - p)), keep
+
+
+def needs_private_rng(devices: Sequence[torch.device]) -> bool:
+    """Whether stages on ``devices`` must draw from private generators.
+
+    Whenever two or more stages can run at once, on any device types. One stage runs on
+    one thread at a time, so ``torch.utils.checkpoint``'s own RNG preservation replays its
+    draws, and its masks are those the unwrapped model would draw.
+    """
+    return len(devices) > 1
 
 
 def draw_seeds(count: int) -> List[int]:
@@ -50,6 +143,6 @@ def draw_seeds(count: int) -> List[int]:
 
 @contextmanager
 def isolated_rng(seed: int) -> Iterator[None]:
-    """Within the block, CPU random ops in this thread draw from a generator seeded ``seed``."""
-    with _PrivateGenerator(torch.Generator().manual_seed(seed)):
+    """Within the block, random ops in this thread draw from generators seeded ``seed``."""
+    with _PrivateGenerator(seed):
         yield

@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 import torch
 
 from seqpipe.schedule import Action
+from seqpipe.thread_state import ThreadState
 
-__all__ = ["Mailbox", "Program", "run_groups", "ThreadState"]
+__all__ = ["Mailbox", "Program", "run_groups"]
 
 
 class _Aborted(Exception):
@@ -73,25 +74,6 @@ class Program:
     device: torch.device
 
 
-class ThreadState:
-    """Thread-local settings of the caller replayed in each worker thread.
-
-    The intra-op thread count (``torch.set_num_threads`` sets it for the calling thread
-    only; a new thread would start from the default) and, for forwards, autocast.
-    """
-
-    def __init__(self, *, autocast: bool = True) -> None:
-        self.num_threads = torch.get_num_threads()
-        self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
-                         if autocast and torch.is_autocast_enabled(kind)]
-
-    def enter(self, stack: ExitStack) -> None:
-        if torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
-        for kind, dtype in self.autocast:
-            stack.enter_context(torch.autocast(kind, dtype=dtype))
-
-
 def _device_context(device: torch.device) -> Any:
     if device.type == "cpu" or device.index is None:
         return ExitStack()
@@ -126,13 +108,17 @@ def _drive(programs: List[Program], mailbox: Mailbox) -> None:
 
 def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
                state: Optional[ThreadState] = None) -> None:
-    """Run each group of programs on its own thread (the first on the caller's)."""
+    """Run each group of programs on its own thread (the first on the caller's).
+
+    Worker threads first enter the caller's thread-local ``state``; the caller's thread
+    already has it, and only takes its share of the intra-op threads until all are joined.
+    """
     errors: List[BaseException] = []
 
-    def work(group: List[Program]) -> None:
+    def work(group: List[Program], replay: bool) -> None:
         try:
             with ExitStack() as stack:
-                if state is not None:
+                if state is not None and replay:
                     state.enter(stack)
                 _drive(group, mailbox)
         except _Aborted:
@@ -141,13 +127,16 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
             errors.append(exc)
             mailbox.fail()
 
-    threads = [threading.Thread(target=work, args=(g,), daemon=True,
+    threads = [threading.Thread(target=work, args=(g, True), daemon=True,
                                 name=f"seqpipe-stage-{g[0].stage}") for g in groups[1:] if g]
-    for thread in threads:
-        thread.start()
-    if groups and groups[0]:
-        work(groups[0])
-    for thread in threads:
-        thread.join()
+    with ExitStack() as caller:
+        if state is not None:
+            state.share_threads(caller)
+        for thread in threads:
+            thread.start()
+        if groups and groups[0]:
+            work(groups[0], False)
+        for thread in threads:
+            thread.join()
     if errors:
         raise errors[0]

@@ -80,6 +80,57 @@ def test_pipe_across_two_gpus_matches_the_plain_model(mode: str) -> None:
     _compare(["cuda:0", "cuda:1"], mode)
 
 
+@needs_gpu
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cpu", "cuda:0"], ["cuda:0", "cpu"]])
+def test_pipe_on_a_side_stream_matches_and_keeps_its_copy_streams(devices: List[str]) -> None:
+    """The caller on a non-default stream: every stage and hand-off follows it (stages on
+    one device share the stream, so no event is needed), and a device pair's copy streams
+    are the same objects on every call, whatever thread makes the copy."""
+    from seqpipe.stream import _COPY_STREAMS
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _compare(devices, "except_last")
+        pairs = dict(_COPY_STREAMS._pairs)
+        _compare(devices, "always")
+    assert _COPY_STREAMS._pairs == pairs
+    assert all(a is b for a, b in zip(pairs.values(), _COPY_STREAMS._pairs.values()))
+
+
+@needs_two_gpus
+def test_copy_between_gpus_runs_on_the_pairs_streams() -> None:
+    from seqpipe.stream import _COPY_STREAMS, move
+
+    a = torch.randn(1 << 20, device="cuda:0")
+    expected = a.cpu()
+    torch.cuda._sleep(50_000_000)  # keep cuda:0's compute stream busy
+    moved = move(a * 1, torch.device("cuda", 1))
+    assert torch.cuda.current_device() == 0  # setting the copy streams did not move it
+    assert torch.cuda.current_stream(0) == torch.cuda.default_stream(0)
+    pair = _COPY_STREAMS.pair(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert pair.source.device == torch.device("cuda", 0)
+    assert pair.destination.device == torch.device("cuda", 1)
+    torch.testing.assert_close(moved.cpu(), expected)  # ordered after the producer
+
+
+@needs_gpu
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cpu", "cuda:0"]])
+def test_recomputation_replays_dropout_on_shared_gpu(devices: List[str]) -> None:
+    """Issue 17.3 on a GPU: two stages on one device (or CPU + GPU) replay every mask."""
+    from test_rng import Probe, dropout, native_dropout, probed_model
+
+    for draw in (dropout, native_dropout):
+        model = probed_model(2, draw)
+        pipe = Pipe(model, chunks=4, checkpoint="always", balance=[3, 3], devices=devices)
+        for _ in range(3):
+            pipe(torch.randn(16, 16, device=devices[0])).sum().backward()
+        for probe in (m for m in model if isinstance(m, Probe)):
+            assert len(probe.forward_draws) == 12
+            assert probe.recomputed_draws.keys() == probe.forward_draws.keys()
+            for key, mask in probe.forward_draws.items():
+                assert torch.equal(probe.recomputed_draws[key], mask)
+
+
 def _nccl(rank: int, world: int, kind: str = "cuda") -> None:
     failures = Failures(rank, dict(atol=1e-10, rtol=1e-8))
     device = torch.device(kind, rank) if kind == "cuda" else torch.device(kind)
