@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["seqpipe", "seqpipe.*"]),
     package_data={"seqpipe": ["py.typed"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.8", "typing-extensions>=4.6"],
+    install_requires=["torch>=2.8", "typing-extensions>=4.6", "numpy"],  # numpy: torch warns without it
     extras_require={"test": ["pytest>=7", "pytest-benchmark>=4", "numpy"]},
     classifiers=[
         "Programming Language :: Python :: 3",

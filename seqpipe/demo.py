@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
 from seqpipe.pipe import Pipe
+from seqpipe.schedule import simulate
 
-__all__ = ["build_model", "make_data", "main", "parse_args", "run_distributed"]
+__all__ = ["build_model", "make_data", "main", "parse_args", "run_distributed", "sample_batch"]
 
 
 def build_model(num_classes: int = 10, width: int = 16) -> nn.Sequential:
@@ -36,16 +37,22 @@ def build_model(num_classes: int = 10, width: int = 16) -> nn.Sequential:
 
 
 def make_data(steps: int, batch: int, num_classes: int = 10, noise: float = 1.0,
-              seed: int = 0) -> List[Tuple[Tensor, Tensor]]:
-    """``steps`` mini-batches of noisy class prototypes: learnable, and needs no download."""
+              seed: int = 0) -> Iterator[Tuple[Tensor, Tensor]]:
+    """``steps`` mini-batches of noisy class prototypes: learnable, and needs no download.
+
+    Each mini-batch is made when it is asked for, so a long run holds one at a time.
+    """
     gen = torch.Generator().manual_seed(seed)
     prototypes = torch.randn(num_classes, 3, 32, 32, generator=gen)
-    data = []
     for _ in range(steps):
         labels = torch.randint(num_classes, (batch,), generator=gen)
         images = prototypes[labels] + noise * torch.randn(batch, 3, 32, 32, generator=gen)
-        data.append((images, labels))
-    return data
+        yield images, labels
+
+
+def sample_batch(batch: int, seed: int = 0) -> Tensor:
+    """The first mini-batch's images, to profile the balance on."""
+    return next(make_data(1, batch, seed=seed))[0]
 
 
 def default_split() -> Tuple[int, List[str]]:
@@ -69,30 +76,90 @@ def choose_balance(how: str, partitions: int, model: nn.Sequential, sample: Tens
                            timeout=0.5)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m seqpipe", description=__doc__)
-    parser.add_argument("--steps", type=int, default=30, help="training steps")
-    parser.add_argument("--batch", type=int, default=32, help="mini-batch size")
-    parser.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
-    parser.add_argument("--partitions", type=int, default=None,
-                        help="number of partitions (default: GPUs, or 2 on CPU)")
+    """The command line of ``python -m seqpipe`` (``--help`` lists every option)."""
+    parser = argparse.ArgumentParser(prog="python -m seqpipe", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=_positive, default=30, help="training steps")
+    parser.add_argument("--batch", type=_positive, default=32, help="mini-batch size")
+    parser.add_argument("--chunks", type=_positive, default=4,
+                        help="micro-batches per mini-batch")
+    parser.add_argument("--partitions", type=_positive, default=None,
+                        help="partitions of the local Pipe (default: the GPUs, or 2 on CPU)")
     parser.add_argument("--checkpoint", default="except_last",
-                        choices=["always", "except_last", "never"])
-    parser.add_argument("--balance-by", default="time", choices=["time", "size", "params"])
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--processes", type=int, default=0,
+                        choices=["always", "except_last", "never"],
+                        help="which micro-batches recompute their activations in backward")
+    parser.add_argument("--balance-by", default="time", choices=["time", "size", "params"],
+                        help="how the layers are split over the partitions")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of model and data")
+    parser.add_argument("--processes", type=_positive, default=None,
                         help="run DistributedPipe over this many local processes, one stage "
-                             "each (gloo on CPU, NCCL when every process gets a GPU)")
+                             "each (gloo on CPU, NCCL when every process gets a GPU) instead "
+                             "of the local Pipe")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "fill_drain"],
                         help="the clock of the distributed run")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    layers = len(build_model())
+    if args.processes is not None and args.partitions is not None:
+        parser.error("--partitions is for the local Pipe; with --processes every process "
+                     "is one stage: give one of them")
+    for option in ("processes", "partitions"):
+        if (getattr(args, option) or 0) > layers:
+            parser.error(f"--{option} {getattr(args, option)}: the demo model has {layers} "
+                         f"layers, so at most {layers} stages")
+    return args
+
+
+def _print_schedule(schedule: str, stages: int, chunks: int) -> None:
+    """The clock the run used, as the simulator draws it with equal costs per stage."""
+    plan = simulate(schedule, stages, chunks)
+    print(f"schedule {schedule!r}, {stages} stages x {chunks} micro-batches (equal costs; "
+          f"bubble {plan.bubble_fraction:.0%}):")
+    print(plan.chart())
+
+
+def _describe_stages(model: nn.Sequential, balance: Sequence[int],
+                     devices: Sequence[object], noun: str) -> None:
+    layers, start = list(model), 0
+    for i, (count, device) in enumerate(zip(balance, devices)):
+        names = ", ".join(type(layer).__name__ for layer in layers[start:start + count])
+        print(f"  {noun} {i} on {device}: {names}")
+        start += count
+
+
+StepFn = Callable[[Tensor, Tensor], float]
+
+
+def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
+           talk: bool) -> float:
+    """Run ``step_fn(images, labels) -> loss`` over ``data``; print the loss and the rate."""
+    start, seen, loss_value = time.perf_counter(), 0, float("nan")
+    for step, (images, labels) in enumerate(data, 1):
+        loss_value = step_fn(images, labels)
+        seen += len(images)
+        if talk and (step == 1 or step % 5 == 0 or step == steps):
+            rate = seen / (time.perf_counter() - start)
+            print(f"step {step:3d}/{steps}  loss {loss_value:.4f}  {rate:8.1f} samples/s",
+                  flush=True)
+    elapsed = time.perf_counter() - start
+    if talk:
+        print(f"done: {seen} samples in {elapsed:.2f} s ({seen / elapsed:.1f} samples/s), "
+              f"final loss {loss_value:.4f}", flush=True)
+    return loss_value
 
 
 def main(argv: Optional[Sequence[str]] = None) -> float:
-    """Train for a few steps and print the split, the loss and the throughput."""
+    """Train for a few steps and print the split, the loss, the throughput and the clock."""
     args = parse_args(argv)
-    if args.processes:
+    if args.processes is not None:
         from seqpipe.launch import spawn_local
 
         spawn_local(args.processes, run_distributed, args)
@@ -102,34 +169,28 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     if args.partitions is not None:
         partitions = args.partitions
         devices = (devices * partitions)[:partitions] if devices[0] == "cpu" else devices
-    data = make_data(args.steps, args.batch, seed=args.seed)
     model = build_model()
-    balance = choose_balance(args.balance_by, partitions, model, data[0][0], args.chunks)
+    balance = choose_balance(args.balance_by, partitions, model,
+                             sample_batch(args.batch, args.seed), args.chunks)
     pipe = Pipe(model, chunks=args.chunks, checkpoint=args.checkpoint,
                 deferred_batch_norm=True, balance=balance, devices=devices[:partitions])
     print(f"seqpipe demo: {len(model)} layers split as balance={pipe.balance} "
           f"(by {args.balance_by}) over {[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}")
-    for i, part in enumerate(pipe.partitions):
-        names = ", ".join(type(layer).__name__ for layer in part)
-        print(f"  partition {i} on {pipe.devices[i]}: {names}")
+    _describe_stages(model, pipe.balance, pipe.devices, "partition")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    out_device = pipe.devices[-1]
-    start, seen, loss_value = time.perf_counter(), 0, float("nan")
-    for step, (images, labels) in enumerate(data, 1):
+
+    def step(images: Tensor, labels: Tensor) -> float:
         optimizer.zero_grad()
-        loss = loss_fn(pipe(images), labels.to(out_device))
+        loss = loss_fn(pipe(images), labels.to(pipe.devices[-1]))
         loss.backward()
         optimizer.step()
-        seen += len(images)
-        loss_value = loss.item()
-        if step == 1 or step % 5 == 0 or step == len(data):
-            rate = seen / (time.perf_counter() - start)
-            print(f"step {step:3d}/{len(data)}  loss {loss_value:.4f}  {rate:8.1f} samples/s")
-    elapsed = time.perf_counter() - start
-    print(f"done: {seen} samples in {elapsed:.2f} s ({seen / elapsed:.1f} samples/s), "
-          f"final loss {loss_value:.4f}")
+        return loss.item()
+
+    loss_value = _train(step, make_data(args.steps, args.batch, seed=args.seed), args.steps,
+                        talk=True)
+    _print_schedule("fill_drain", len(pipe.balance), min(args.chunks, args.batch))
     return loss_value
 
 
@@ -147,36 +208,34 @@ def run_distributed(args: argparse.Namespace) -> float:
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     torch.manual_seed(args.seed)
-    data = make_data(args.steps, args.batch, seed=args.seed)
     model = build_model()
     balance = torch.zeros(world, dtype=torch.int64, device=device)
     if rank == 0:
-        chosen = choose_balance(args.balance_by, world, model, data[0][0], args.chunks)
+        chosen = choose_balance(args.balance_by, world, model,
+                                sample_batch(args.batch, args.seed), args.chunks)
         balance.copy_(torch.tensor(chosen))
     dist.broadcast(balance, src=0)
+    if rank == 0:
+        noun = "process" if world == 1 else "processes"
+        print(f"seqpipe distributed demo: {len(model)} layers over {world} {noun} "
+              f"({dist.get_backend()}), balance={balance.tolist()}, chunks={args.chunks}, "
+              f"schedule={args.schedule!r}, checkpoint={args.checkpoint!r}", flush=True)
+        _describe_stages(model, balance.tolist(), [f"rank {r}" for r in range(world)], "stage")
     pipe = DistributedPipe(model, chunks=args.chunks, balance=balance.tolist(),
                            schedule=args.schedule, checkpoint=args.checkpoint,
                            deferred_batch_norm=True, device=device)
-    if rank == 0:
-        print(f"seqpipe distributed demo: {world} processes ({dist.get_backend()}), "
-              f"balance={pipe.balance}, chunks={args.chunks}, schedule={args.schedule!r}, "
-              f"checkpoint={args.checkpoint!r}", flush=True)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    start, seen, loss_value = time.perf_counter(), 0, float("nan")
-    for step, (images, labels) in enumerate(data, 1):
+
+    def step(images: Tensor, labels: Tensor) -> float:
         optimizer.zero_grad()
         loss = pipe.train_step(images if pipe.is_first else None,
                                labels.to(device) if pipe.is_last else None, loss_fn)
         optimizer.step()
-        seen += len(images)
-        loss_value = loss.item()
-        if rank == 0 and (step == 1 or step % 5 == 0 or step == len(data)):
-            rate = seen / (time.perf_counter() - start)
-            print(f"step {step:3d}/{len(data)}  loss {loss_value:.4f}  {rate:8.1f} samples/s",
-                  flush=True)
+        return loss.item()
+
+    loss_value = _train(step, make_data(args.steps, args.batch, seed=args.seed), args.steps,
+                        talk=rank == 0)
     if rank == 0:
-        elapsed = time.perf_counter() - start
-        print(f"done: {seen} samples in {elapsed:.2f} s ({seen / elapsed:.1f} samples/s), "
-              f"final loss {loss_value:.4f}", flush=True)
+        _print_schedule(args.schedule, world, min(args.chunks, args.batch))
     return loss_value

@@ -1,0 +1,58 @@
+"""``python -m seqpipe``: its command line, and one short run of each engine."""
+from __future__ import annotations
+
+import pytest
+
+from seqpipe.demo import main, make_data, parse_args
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--chunks", "0"], "argument --chunks: must be at least 1, got 0"),
+    (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["--processes", "0"], "argument --processes: must be at least 1, got 0"),
+    (["--processes", "-1"], "argument --processes: must be at least 1, got -1"),
+    (["--processes", "25"], "--processes 25: the demo model has 20 layers, so at most 20"),
+    (["--partitions", "2", "--processes", "2"], "--partitions is for the local Pipe"),
+])
+def test_bad_options_get_one_line_errors(argv: list, message: str,
+                                         capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert message in lines[-1] and lines[-1].startswith("python -m seqpipe: error:")
+
+
+def test_help_shows_every_option_with_its_default(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--steps", "--batch", "--chunks", "--partitions", "--checkpoint",
+                   "--balance-by", "--lr", "--seed", "--processes", "--schedule"):
+        assert option in text, option
+    assert "(default: 30)" in text and "(default: except_last)" in text
+
+
+def test_data_is_made_step_by_step() -> None:
+    data = make_data(10**9, 4)  # a generator: nothing is made up front
+    images, labels = next(data)
+    assert images.shape == (4, 3, 32, 32) and labels.shape == (4,)
+
+
+def test_local_run_trains_and_shows_the_clock(capsys: pytest.CaptureFixture) -> None:
+    loss = main(["--steps", "3", "--batch", "8", "--balance-by", "params"])
+    out = capsys.readouterr().out
+    assert loss == loss  # a number, not NaN
+    assert "partition 0 on cpu:" in out and "partition 1 on cpu:" in out
+    assert "schedule 'fill_drain', 2 stages x 4 micro-batches" in out and "bubble 20%" in out
+    assert "rank 0: F0 F1 F2 F3" in out
+
+
+def test_distributed_run_lists_its_stages_and_shows_the_clock(
+        capfd: pytest.CaptureFixture) -> None:
+    main(["--processes", "2", "--steps", "2", "--batch", "8", "--balance-by", "params"])
+    out = capfd.readouterr().out
+    assert "20 layers over 2 processes (gloo)" in out
+    assert "stage 0 on rank 0:" in out and "stage 1 on rank 1:" in out
+    assert "schedule '1f1b', 2 stages x 4 micro-batches" in out and "rank 1: " in out
+    assert "done: 16 samples" in out
