@@ -358,3 +358,26 @@ def test_a_meta_device_is_refused_before_any_layer_moves():
     with pytest.raises(ValueError, match=r"devices \['cpu', 'meta'\] include meta"):
         Pipe(model, balance=[2, 1], devices=["cpu", "meta"])
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_a_list_is_taken_as_a_tuple_everywhere():
+    """A list where a tuple of tensors is expected is read as that tuple, by the pipeline,
+    between partitions and by the balancers alike."""
+    from seqpipe.balance import balance_by_size
+
+    class Two(nn.Module):
+        def forward(self, pair):  # receives a tuple either way
+            assert isinstance(pair, tuple)
+            a, b = pair
+            return [a + b, a - b]  # a list between partitions
+
+    class Sum(nn.Module):
+        def forward(self, pair):
+            assert isinstance(pair, tuple)
+            return pair[0] * pair[1]
+
+    model = nn.Sequential(Two(), Sum())
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    pipe = Pipe(model, chunks=2, balance=[1, 1], devices=["cpu", "cpu"])
+    assert torch.allclose(pipe([x, y]), pipe((x, y)))
+    assert balance_by_size(2, nn.Sequential(Two(), Sum()), [x, y]) == [1, 1]
