@@ -418,8 +418,9 @@ def timing_table(results: Dict[int, Dict[str, Any]], configs: Dict[str, Config],
                     "; " + ("-" if g[2] < 0 else f"{g[2]:.0e}")
             error = res["errors"][name]
             if error:
-                notes[name] = error
-            seq_cell = f"not run [{len(notes)}]" if error else _f(seq_ms, ".1f")
+                notes.setdefault(name, error)
+            seq_cell = (f"not run [{list(notes).index(name) + 1}]" if error
+                        else _f(seq_ms, ".1f"))
             lines.append(f"| {m} | {name} | {TORCH_OF.get(name, '(none)')} "
                          f"| {_f(torch_ms, '.1f')} | {seq_cell} | {_f(speed, '.3f', '×')} "
                          f"| {_f(sim, '.0f')} | {_f(seq_ms / sim, '.3f')} "
@@ -483,7 +484,7 @@ def memory_table(memory: Dict[int, Dict[str, List[float]]], configs: Dict[str, C
             peaks = [memory[r][name][side] for r in sorted(memory)]
             cells.append("-" if any(p != p for p in peaks) else
                          " / ".join(f"{p / unit:.1f}" for p in peaks))
-        sim = simulate(name, args.ranks, m).peak_live_microbatches
+        sim = simulate(name, args.ranks, m).peak_live_microbatches  # order only: no costs
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {' / '.join(map(str, sim))} |")
     return lines
 
