@@ -493,7 +493,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=None, help="K (default 4; 2 with --real)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16], help="M values")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per M")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds per M (default 5; 20 with --real)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per M")
     parser.add_argument("--ms", type=float, default=10.0,
                         help="F = I = W per rank and micro-batch (ms)")
@@ -512,6 +513,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="kill the ranks after")
     args = parser.parse_args(argv)
     args.ranks = args.ranks or (2 if args.real else 4)
+    args.rounds = args.rounds or (20 if args.real else 5)
     args.width = args.width or (512 if args.real else 64)
     args.micro_batch = args.micro_batch or (32 if args.real else 4)
     args.schedules = args.schedules or (["1f1b", "zb_h1"] if args.real else list(SCHEDULES))
