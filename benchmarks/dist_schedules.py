@@ -69,7 +69,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from _common import load_average, make_model
 from dist_vs_torch_pipelining import SavedBytes, seqpipe_version
-from sleep_model import make_sleep_model, sleeping, stage_costs
+from sleep_model import make_sleep_model, overrun, sleeping, stage_costs
 from torch import Tensor, nn
 
 from seqpipe.distributed import DistributedPipe
@@ -333,8 +333,10 @@ def bench_rank(rank: int, args: argparse.Namespace, store: str, queue: Any) -> N
             here = build(configs, rank, m, args)
             grads = check_gradients(here, configs)
             busy0, w0 = _busy_seconds(), time.perf_counter()
+            overrun()
             times = time_rounds(here, args)
             load = (_busy_seconds() - busy0) / (time.perf_counter() - w0)
+            late = _gather(torch.tensor([overrun()], dtype=torch.float64), args.ranks)
             everyone = _gather(times, args.ranks)
             worst = _gather(torch.tensor([grads[n] for n in here.variants]), args.ranks)
             if rank == 0:
@@ -345,7 +347,8 @@ def bench_rank(rank: int, args: argparse.Namespace, store: str, queue: Any) -> N
                                          "names": list(here.variants), "errors": errors,
                                          "grads": torch.stack(worst).nan_to_num(
                                              -1.0).amax(0).tolist(),
-                                         "load": load}))
+                                         "load": load,
+                                         "overrun": float(torch.cat(late).nanmean())}))
                 print(f"  M={m}: done ({load:.2f} busy cores on the machine while timing)",
                       file=sys.stderr, flush=True)
             del here
@@ -528,7 +531,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"Machine: torch {torch.__version__}, {os.cpu_count()} CPUs, {args.ranks} ranks × 1 "
           f"intra-op thread, gloo on 127.0.0.1, {seqpipe_version()}, load average "
           f"{load_average()} (at end); {time.perf_counter() - began:.0f} s; busy cores while "
-          f"timing: " + ", ".join(f"M={m}: {r['load']:.2f}" for m, r in timing.items()))
+          f"timing: " + ", ".join(f"M={m}: {r['load']:.2f}" for m, r in timing.items())
+          + "; sleeps took longer than asked by: "
+          + ", ".join(f"M={m}: {r['overrun']:.3f}×" for m, r in timing.items()))
     model = (f"{args.depth} × (Linear({args.width}) + ReLU)" if args.real else
              f"sleep layers, F = I = W = {args.ms:g} ms per rank and micro-batch "
              f"({args.layers_per_stage} layer(s) per stage), activations "

@@ -38,9 +38,10 @@ from typing import Any, Iterator, List, Tuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SleepLayer", "make_sleep_model", "sleeping", "stage_costs"]
+__all__ = ["SleepLayer", "make_sleep_model", "overrun", "sleeping", "stage_costs"]
 
 _ENABLED = [True]
+_SLEPT = [0.0, 0.0]  # seconds asked for, seconds actually slept (since the last overrun())
 
 
 @contextmanager
@@ -56,7 +57,18 @@ def sleeping(enabled: bool) -> Iterator[None]:
 
 def _sleep(seconds: float) -> None:
     if _ENABLED[0] and seconds > 0:
+        start = time.perf_counter()
         time.sleep(seconds)
+        _SLEPT[0] += seconds
+        _SLEPT[1] += time.perf_counter() - start
+
+
+def overrun() -> float:
+    """How much longer the sleeps took than asked since the last call, as a ratio (1.0:
+    exact; a loaded machine wakes sleepers late), and start counting afresh."""
+    asked, slept = _SLEPT
+    _SLEPT[:] = [0.0, 0.0]
+    return slept / asked if asked else float("nan")
 
 
 class _InputPath(torch.autograd.Function):
