@@ -532,8 +532,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           f"intra-op thread, gloo on 127.0.0.1, {seqpipe_version()}, load average "
           f"{load_average()} (at end); {time.perf_counter() - began:.0f} s; busy cores while "
           f"timing: " + ", ".join(f"M={m}: {r['load']:.2f}" for m, r in timing.items())
-          + "; sleeps took longer than asked by: "
-          + ", ".join(f"M={m}: {r['overrun']:.3f}×" for m, r in timing.items()))
+          + ("" if args.real else "; sleeps took longer than asked by: "
+             + ", ".join(f"M={m}: {r['overrun']:.3f}×" for m, r in timing.items())))
     model = (f"{args.depth} × (Linear({args.width}) + ReLU)" if args.real else
              f"sleep layers, F = I = W = {args.ms:g} ms per rank and micro-batch "
              f"({args.layers_per_stage} layer(s) per stage), activations "

@@ -15,10 +15,12 @@ One :class:`SleepLayer` on input ``x`` (a micro-batch of shape ``(n, width)``) c
 after sleeping ``F`` ms in its forward. The two backward nodes are separate autograd nodes
 and neither lies on the other's path: a backward with respect to the layer's input (the
 ``I`` of a split backward) runs only ``InputPath``'s node, a backward with respect to the
-weights (``W``) only ``WeightPath``'s, and a full backward both. ``WeightPath`` saves ``a``
-(one activation of the micro-batch, ``n * width`` floats) until its backward runs, as a real
-layer keeps its input until its weight gradient is done, so saved-tensor counting sees the
-same per-micro-batch memory pattern as in a real model. The ``w * a`` term is a
+weights (``W``) only ``WeightPath``'s, and a full backward both. Both nodes save ``a`` (one
+activation of the micro-batch, ``n * width`` floats, one storage): ``WeightPath`` as a real
+layer keeps its input until its weight gradient is done, ``InputPath`` as a ReLU keeps its
+output for its input gradient. So saved-tensor counting sees the memory pattern of a real
+model, including what a split backward keeps alive between ``I`` and ``W``: autograd frees a
+node's saved tensors after its backward only without ``retain_graph``. The ``w * a`` term is a
 stop-gradient for the input path (its input gradient is not propagated); every runtime runs
 the same autograd graph, so gradients stay comparable across runtimes, and against the
 unpipelined model.
@@ -76,13 +78,16 @@ class _InputPath(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, scale: float, seconds: float) -> Tensor:
+        out = x * scale
+        ctx.save_for_backward(out)  # as ReLU keeps its output for its input gradient
         ctx.scale, ctx.seconds = scale, seconds
-        return x * scale
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None, None]:
+        (out,) = ctx.saved_tensors
         _sleep(ctx.seconds)
-        return grad * ctx.scale, None, None
+        return grad * ctx.scale * (out == out), None, None  # the mask of a ReLU, all ones
 
 
 class _WeightPath(torch.autograd.Function):
