@@ -6,8 +6,9 @@ in its weight-gradient node, so a split backward runs only its part and the core
 free), ``--ranks`` K processes (default 4) on gloo over loopback, one intra-op thread each.
 Per schedule name, the identical model runs under
 
-* seqpipe: ``DistributedPipe(model, chunks=M, balance=<one layer count per stage>,
-  schedule=<name>, checkpoint="never", device="cpu")``, ``train_step(x, y, mse_loss)``;
+* seqpipe: ``DistributedPipe(model, chunks=M, balance=<layers per stage, one entry per
+  rank; None with several stages per rank>, schedule=<name>, checkpoint="never",
+  device="cpu")``, ``train_step(x, y, mse_loss)`` with ``x`` and ``y`` on every rank;
   ``checkpoint="never"`` because torch does not recompute, so both do the same work;
 * torch: the schedule class of the same name (``TORCH_OF``; for ``zb_h1`` and ``zb_h2``,
   which torch lacks, ``ScheduleInterleavedZeroBubble`` with one stage per rank) over
@@ -55,6 +56,7 @@ import argparse
 import copy
 import datetime
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -86,6 +88,7 @@ TORCH_OF = {"fill_drain": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 bubble schedule given one stage per rank is its zero-bubble schedule for that placement
 (warm-up forwards, then F, I, W in turn; its W fill the cool-down), so it is their peer."""
 SIM_TARGET, PEER_TARGET, FASTEST_TARGET = 1.05, 1.0, 1.15
+GRAD_TOLERANCE = 1e-5  # relative; float32 sums in another order differ by ~1e-7
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -383,6 +386,7 @@ def spawn(args: argparse.Namespace) -> List[Any]:
             if process.is_alive():
                 process.kill()
                 process.join()
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -447,6 +451,10 @@ def timing_table(results: Dict[int, Dict[str, Any]], configs: Dict[str, Config],
                            f"({'meets' if ratio >= FASTEST_TARGET else 'misses'} "
                            f">= {FASTEST_TARGET})")
         summary += _split_vs_full(res, "zb_h1", "1f1b", m)
+        worst = max(max(g) for g in res["grads"])
+        summary.append(f"M={m} gradients: largest relative difference {worst:.1e} "
+                       f"({'agree' if worst <= GRAD_TOLERANCE else 'DIFFER'}: tolerance "
+                       f"{GRAD_TOLERANCE:g})")
     lines.append("")
     lines += [f"[{n + 1}] {name}: DistributedPipe refused it: {error}"
               for n, (name, error) in enumerate(notes.items())]
