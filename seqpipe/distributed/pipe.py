@@ -34,9 +34,10 @@ from seqpipe.stage import Stage
 
 __all__ = ["DistributedPipe"]
 
-# What this engine runs of what schedules can express: one stage per rank, F and B actions.
-# Split backward (I/W) and several stages per rank are refused by validate_schedule.
-_RUNS: Dict[str, Any] = {"phases": "FB", "stages_per_rank": 1}
+# What this engine runs of what schedules can express: one stage per rank.
+# Several stages per rank are refused by validate_schedule.
+_RUNS: Dict[str, Any] = {"stages_per_rank": 1}
+_LAST = (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)  # a stage's gradients are final after these
 
 
 @dataclass(frozen=True)
@@ -329,16 +330,23 @@ class DistributedPipe(nn.Module):
             call.checkpoint_stop = checkpoint_stop(mode, len(batches))
             if self.is_last:
                 targets, weights = self._split_target(target, len(batches))
-        last_backward = max(n for n, a in enumerate(actions) if a.phase is Phase.BACKWARD)
+        last_backward = max(n for n, a in enumerate(actions) if a.phase in _LAST)
         call.grads = StepGrads(self._stage, actions[last_backward].microbatch)
+        split = {a.microbatch for a in actions if a.phase is Phase.BACKWARD_INPUT}
         for n, action in enumerate(actions):
             with call.guard(describe(action)):
+                i = action.microbatch
                 if action.phase is Phase.FORWARD:
-                    call.forward(action.microbatch, batches, targets, loss_fn, weights)
+                    call.forward(i, batches, targets, loss_fn, weights, split=i in split)
+                    continue
+                if n == last_backward and self._reducer is not None:
+                    self._reducer.arm()  # gradients final from here: reduce as they land
+                if action.phase is Phase.BACKWARD:
+                    call.backward(i)
+                elif action.phase is Phase.BACKWARD_INPUT:
+                    call.backward_input(i)
                 else:
-                    if n == last_backward and self._reducer is not None:
-                        self._reducer.arm()  # gradients final from here: reduce as they land
-                    call.backward(action.microbatch)
+                    call.backward_weight(i)
         with call.guard("end of the step"):
             self._stage.finish_forward()
             loss = self._close(call, torch.stack(call.losses).sum() if self.is_last else None)

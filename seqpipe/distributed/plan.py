@@ -92,8 +92,8 @@ def messages(src: int, dst: int, actions: Sequence[Sequence[Action]], layout: Sk
                     for skip in layout.skips_stashed_by(src) if skip.pop_partition == dst]
             if dst == src + 1:
                 out.append(Planned(Kind.ACTIVATION, i, -1, n, taken))
-        else:
-            taken = at[Action(Phase.BACKWARD, i)]
+        elif action.sends_gradient:
+            taken = at.get(Action(Phase.BACKWARD, i), at.get(Action(Phase.BACKWARD_INPUT, i)))
             if dst == src - 1:
                 out.append(Planned(Kind.GRAD, i, -1, n, taken))
             out += [Planned(Kind.SKIP_GRAD, i, keys.index(skip.key), n, taken)

@@ -26,7 +26,7 @@ from seqpipe.microbatch import Batch
 from seqpipe.schedule import Action
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Received, Stage, TaskState, moved, wants_grad
+from seqpipe.stage import Received, Stage, TaskState, moved
 
 __all__ = ["Call", "LossFn", "describe"]
 
@@ -104,7 +104,7 @@ class Call:
 
     # -- actions -----------------------------------------------------------------------
     def forward(self, i: int, inputs: Optional[Sequence[Batch]], targets: Optional[Sequence[Any]],
-                loss_fn: Optional[LossFn], weights: Sequence[float]) -> None:
+                loss_fn: Optional[LossFn], weights: Sequence[float], split: bool = False) -> None:
         """Run ``F(i)``: receive, compute, send on (or take the loss on the last stage)."""
         s = self.index
         if s == 0:
@@ -121,25 +121,30 @@ class Call:
             flags += message.flags
         sent, state = self.stage.forward(Received(received_batch, skips, flags), grad=self.grad,
                                          checkpoint=self.grad and i < self.checkpoint_stop,
-                                         sink=self.grads.sink_for(i) if self.grads else None)
+                                         sink=self.grads.sink_for(i) if self.grads else None,
+                                         split=split)
         for key, tensor in sorted(sent.skips.items(), key=lambda kv: self.key_index(kv[0])):
             self.send(self.layout.pop_partition(*key), Kind.SKIP, i, [tensor],
-                      [wants_grad(tensor)], key=self.key_index(key))
+                      [sent.wants_grad(tensor)], key=self.key_index(key))
         if not self.last:
             outs = sent.outputs.tensors
-            self.send(s + 1, Kind.ACTIVATION, i, outs, [wants_grad(t) for t in outs],
+            self.send(s + 1, Kind.ACTIVATION, i, outs, [sent.wants_grad(t) for t in outs],
                       atomic=sent.outputs.atomic)
         elif loss_fn is not None and targets is not None:
             assert state is not None
-            state.roots = [get_gradient_edge(self._loss(i, sent.outputs, targets[i], loss_fn,
-                                                        weights[i]))]
+            loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])
+            if state.replay is None:
+                state.roots = [get_gradient_edge(loss)]
+            else:  # recomputed at I, the loss with it
+                target, weight = targets[i], weights[i]
+                state.head = lambda out: self._loss(i, out, target, loss_fn, weight, keep=False)
         else:
             self.outputs.append(sent.outputs)
         if state is not None:
             self.states[i] = state
 
     def _loss(self, i: int, outputs: Batch, target: Any, loss_fn: LossFn,
-              weight: float) -> Tensor:
+              weight: float, keep: bool = True) -> Tensor:
         if isinstance(target, Tensor) and target.dim() > 0 and \
                 target.shape[0] != outputs.tensors[0].shape[0]:
             raise ValueError(
@@ -154,11 +159,25 @@ class Call:
                 raise TypeError(f"loss_fn must return a scalar tensor (one number, e.g. a "
                                 f"mean-reduced loss), got {got}")
             scaled = loss.reshape(()) * weight
-        self.losses.append(scaled.detach())
+        if keep:
+            self.losses.append(scaled.detach())
         return scaled
 
     def backward(self, i: int) -> None:
         """Run ``B(i)``: receive gradients, backpropagate into ``.grad``, send gradients back."""
+        self._backward(i, split=False)
+
+    def backward_input(self, i: int) -> None:
+        """Run ``I(i)``: receive gradients, compute and send back the input gradients only."""
+        self._backward(i, split=True)
+
+    def backward_weight(self, i: int) -> None:
+        """Run ``W(i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
+        sink = self.grads.sink_for(i) if self.grads else None
+        with self.grads.handing_over(i) if self.grads else nullcontext():  # hooks: once
+            self.stage.backward_weight(self.states.pop(i), sink=sink)
+
+    def _backward(self, i: int, split: bool) -> None:
         s = self.index
         if self.last:
             seed = self.seed if self.seed is not None else torch.ones((), device=self.stage.device)
@@ -168,9 +187,12 @@ class Call:
         skip_grads = {skip.key: self.need(skip.pop_partition, Kind.SKIP_GRAD, i,
                                           self.key_index(skip.key)).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
-        sink = self.grads.sink_for(i) if self.grads else None
-        with self.grads.handing_over(i) if self.grads else nullcontext():  # hooks: once
-            received = self.stage.backward(self.states.pop(i), grads, skip_grads, sink=sink)
+        if split:
+            received = self.stage.backward_input(self.states[i], grads, skip_grads)
+        else:
+            sink = self.grads.sink_for(i) if self.grads else None
+            with self.grads.handing_over(i) if self.grads else nullcontext():  # hooks: once
+                received = self.stage.backward(self.states.pop(i), grads, skip_grads, sink=sink)
         if s > 0:
             self.send(s - 1, Kind.GRAD, i, received.inputs)
         for key, grad in received.skips.items():
