@@ -225,7 +225,8 @@ class Stage:
         return Sent(Batch.of(out), outgoing)
 
     def _forward_with_grad(self, received: Received, checkpoint: bool, seed: Optional[int],
-                           sink: Optional[GradSink]) -> Tuple[Sent, TaskState]:
+                           sink: Optional[GradSink],
+                           replaying: bool = False) -> Tuple[Sent, TaskState]:
         keys = tuple(received.skips)
         incoming = [*received.inputs.tensors, *(received.skips[k] for k in keys)]
         present = [i for i, t in enumerate(incoming) if t is not None]
@@ -241,6 +242,7 @@ class Stage:
             state.box.tensors = ()  # the graph holds what it needs; drop our references
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
+        tracker.replaying = replaying
         protect = checkpoint and bool(getattr(self.partition[0], "inplace", False))
         out = run_task(self._call(tracker, received.inputs.atomic, protect, sink), inputs,
                        checkpoint=checkpoint, seed=seed)
@@ -285,7 +287,8 @@ class Stage:
             pending, state.replay = state.replay, None
             with pending.replay.recomputing():
                 sent, fresh = self._forward_with_grad(pending.received, False,
-                                                      pending.replay.seed, pending.sink)
+                                                      pending.replay.seed, pending.sink,
+                                                      replaying=True)
                 if state.head is not None:
                     fresh.roots = [get_gradient_edge(state.head(sent.outputs))]
             state.__dict__.update({k: v for k, v in fresh.__dict__.items()

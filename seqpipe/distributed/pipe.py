@@ -299,6 +299,7 @@ class DistributedPipe(nn.Module):
             count = call.need(opener, Kind.STEP).count
             batches = [Batch((), True)] * count  # placeholders: only their number matters
         plan = self._plan(len(batches), call.grad)
+        call.microbatches = len(batches)
         for r, planned in plan.incoming.items():
             transport.expect(r, planned[1:] if r == opener else planned)  # STEP: taken above
         for r, planned in plan.outgoing.items():
@@ -316,16 +317,21 @@ class DistributedPipe(nn.Module):
         forward-only call) sends DONE to all.
         """
         k, rank_of = self.num_ranks, self.placement.rank_of
-        if call.grad and k > 1:
-            last = rank_of(self.num_stages - 1)
-            if self.rank == last:
-                for r in range(k):
-                    if r != last:
-                        call.send(r, Kind.LOSS, -1, [loss])
-            else:
-                loss = call.need(last, Kind.LOSS).tensors[0]
+        plan = self._plans[(call.microbatches, call.grad)]
+        last = rank_of(self.num_stages - 1)
         finisher = rank_of(closer(self.num_stages, call.grad))
+        if call.grad and k > 1 and self.rank == last:
+            for r in range(k):
+                if r != last:
+                    call.send(r, Kind.LOSS, -1, [loss])
+        if any(p.kind is Kind.DONE for p in plan.outgoing.get(finisher, [])):
+            call.send(finisher, Kind.DONE, -1, [])  # after a quiet tail (see plan.quiet_tail)
+        if call.grad and k > 1 and self.rank != last:
+            loss = call.need(last, Kind.LOSS).tensors[0]
         if self.rank == finisher:
+            for r, planned in plan.incoming.items():
+                if any(p.kind is Kind.DONE for p in planned):
+                    call.need(r, Kind.DONE)
             for r in range(k):
                 if r != finisher:
                     call.send(r, Kind.DONE, -1, [])
@@ -411,7 +417,8 @@ class DistributedPipe(nn.Module):
 
     def _split_target(self, target: Any, m: int) -> Tuple[List[Any], List[float]]:
         if target is None:
-            raise ValueError("the last stage needs the target; pass it on the last rank")
+            raise ValueError("the last stage needs the target; pass it on the rank that holds "
+                             "it (pipe.is_last)")
         pieces = scatter(target, m)
         if len(pieces) != m:
             raise ValueError(f"the target has {len(pieces)} samples but the input was cut into "

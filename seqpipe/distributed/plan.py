@@ -132,11 +132,37 @@ def messages(src: int, dst: int, actions: Sequence[Sequence[Action]], layout: Sk
                             _gradient_taken(at, skip.stash_partition, i), s)
                     for skip in layout.skips_popped_by(s) if rank(skip.stash_partition) == dst]
     sent_at, taken_at = len(actions[src]), len(actions[dst])
+    finisher = rank(closer(where.num_stages, grad))
     if grad and src == rank(last):
         out.append(Planned(Kind.LOSS, -1, -1, sent_at, taken_at))
-    if src == rank(closer(where.num_stages, grad)):
+    elif grad and dst == finisher != src and quiet_tail(_staged(actions[src], src), where,
+                                                        layout):
+        out.append(Planned(Kind.DONE, -1, -1, sent_at, taken_at))  # "done here too"
+    if src == finisher:
         out.append(Planned(Kind.DONE, -1, -1, sent_at, taken_at))
     return out
+
+
+def _sends(action: Action, src: int, placement: Placement, layout: SkipLayout) -> bool:
+    """Whether ``action`` (of rank ``src``) sends a message to another rank."""
+    s, rank = action.stage, placement.rank_of
+    assert s is not None
+    if action.phase is Phase.FORWARD:
+        return (s < placement.num_stages - 1 and rank(s + 1) != src) or any(
+            rank(skip.pop_partition) != src for skip in layout.skips_stashed_by(s))
+    if action.sends_gradient:
+        return (s > 0 and rank(s - 1) != src) or any(
+            rank(skip.stash_partition) != src for skip in layout.skips_popped_by(s))
+    return False
+
+
+def quiet_tail(actions: Sequence[Action], placement: Placement, layout: SkipLayout) -> bool:
+    """Whether a rank runs actions after its last message to another rank (weight
+    gradients at the end of a zero-bubble schedule): nobody would wait on it there, so
+    it tells the finishing rank it is done, and a failure there still reaches everyone."""
+    src = placement.rank_of(actions[0].stage) if actions else 0  # type: ignore[arg-type]
+    sending = [n for n, a in enumerate(actions) if _sends(a, src, placement, layout)]
+    return not sending or sending[-1] < len(actions) - 1
 
 
 def channels(actions: Sequence[Sequence[Action]], layout: SkipLayout, grad: bool,

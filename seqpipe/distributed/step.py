@@ -63,6 +63,7 @@ class Call:
     placement: Placement
     grad: bool
     checkpoint_stop: int = 0
+    microbatches: int = 0  # in this call, once it is open
     seed: Optional[Tensor] = None  # the last stage's backward starts from it (loss scale), else 1
     grads: Dict[int, StepGrads] = field(default_factory=dict)  # per stage (train_step)
     split: Set[Tuple[int, int]] = field(default_factory=set)  # (stage, i) run as I then W
