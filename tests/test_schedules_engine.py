@@ -204,11 +204,38 @@ def _checkpoint(rank: int, world: int, root: str, failures: Failures) -> None:
         failures.close(out, expected, "checkpoint: zbv output vs plain")
 
 
+def tied_model() -> nn.Sequential:
+    """The first and the last layer share their weight: stages 0 and 3, on one rank under
+    V-shaped schedules at K = 2, on two ranks under interleaved ones."""
+    first, last = nn.Linear(6, 6), nn.Linear(6, 6)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6),
+                         nn.Tanh(), nn.Linear(6, 6), last).to(DTYPE)
+
+
+def _ties(rank: int, world: int, failures: Failures) -> None:
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(8, 6, generator=gen, dtype=DTYPE)
+    y = torch.randn(8, 6, generator=gen, dtype=DTYPE)
+    ref, ref_loss = reference(tied_model, 13, x, y)
+    theirs = dict(ref.named_parameters())
+    for name in ("zbv", "dualpipev", "interleaved_1f1b", "interleaved_zb"):
+        torch.manual_seed(13)
+        pipe = DistributedPipe(tied_model(), 4, schedule=name, balance=[2, 2, 2, 2])
+        what = f"ties {name}"
+        failures.close(run(pipe, x, y), ref_loss, f"{what}: loss")
+        for key, param in pipe.named_parameters():
+            expected = theirs["0.weight" if key == "7.weight" else key]
+            failures.close(param.grad, expected.grad, f"{what}: grad of {key}")
+        pipe.check_ties()
+
+
 def two_ranks(rank: int, world: int, root: str) -> None:
     failures = Failures(rank)
     _gradients(rank, world, failures)
     _skips(rank, world, failures)
     _user_schedule(rank, world, failures)
+    _ties(rank, world, failures)
     _checkpoint(rank, world, root, failures)
     failures.finish()
 
@@ -220,8 +247,9 @@ def three_ranks(rank: int, world: int) -> None:
 
 
 def test_every_schedule_matches_the_plain_model_on_two_ranks(tmp_path: Any) -> None:
-    """K = 2 (V = 1 and 2): gradients, skips on one rank and across, a user schedule,
-    and a checkpoint saved under zbv loaded under 1f1b and into a plain model."""
+    """K = 2 (V = 1 and 2): gradients, skips on one rank and across, a user schedule, a
+    weight tied within a rank and across ranks, and a checkpoint saved under zbv loaded
+    under 1f1b and into a plain model."""
     run_workers(two_ranks, 2, str(tmp_path), timeout=300, pg_timeout=120)
 
 
