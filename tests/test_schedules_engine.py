@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
-from seqpipe.distributed.checkpoint import load, load_into_plain, save
+from seqpipe.distributed.checkpoint import gather_full_state_dict, load, load_into_plain, save
 from seqpipe.schedule import (
     SCHEDULES,
     Action,
@@ -202,6 +202,38 @@ def _checkpoint(rank: int, world: int, root: str, failures: Failures) -> None:
     out = pipe(x if pipe.is_first else None)
     if pipe.is_last:
         failures.close(out, expected, "checkpoint: zbv output vs plain")
+    full = gather_full_state_dict(pipe, dst=1)  # rank 1 holds stages 1 and 2
+    if rank == 1:
+        assert full is not None
+        failures.expect(list(full) == list(plain.state_dict()),
+                        f"checkpoint: gathered keys {list(full)} not in the model's order")
+        for name, value in plain.state_dict().items():
+            failures.close(full.get(name), value, f"checkpoint: gathered {name}")
+
+
+def dropout_deep() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 8),
+                         nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 4)).to(DTYPE)
+
+
+def _dropout(rank: int, world: int, failures: Failures) -> None:
+    """A checkpoint recomputed at I replays each micro-batch's dropout mask."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(12, 8, generator=gen, dtype=DTYPE)
+    y = torch.randn(12, 4, generator=gen, dtype=DTYPE)
+    for name in ("zb_h1", "zbv"):
+        grads: Dict[str, Dict[str, Tensor]] = {}
+        for mode in ("never", "always"):
+            torch.manual_seed(15)
+            pipe = DistributedPipe(dropout_deep(), 2 * world, schedule=name, checkpoint=mode)
+            torch.manual_seed(16)
+            run(pipe, x, y)
+            grads[mode] = {k: p.grad.clone() for k, p in pipe.named_parameters()
+                           if p.grad is not None}
+        failures.expect(sorted(grads["never"]) == sorted(grads["always"]),
+                        f"dropout {name}: gradients on {sorted(grads['always'])}")
+        for key, grad in grads["never"].items():
+            failures.close(grads["always"].get(key), grad, f"dropout {name}: {key}")
 
 
 def tied_model() -> nn.Sequential:
@@ -243,6 +275,7 @@ def two_ranks(rank: int, world: int, root: str) -> None:
 def three_ranks(rank: int, world: int) -> None:
     failures = Failures(rank)
     _gradients(rank, world, failures)
+    _dropout(rank, world, failures)
     failures.finish()
 
 
@@ -254,6 +287,7 @@ def test_every_schedule_matches_the_plain_model_on_two_ranks(tmp_path: Any) -> N
 
 
 def test_every_schedule_matches_the_plain_model_on_three_ranks() -> None:
+    """K = 3 (V = 1 and 2), and dropout replayed by a checkpoint recomputed at I."""
     run_workers(three_ranks, 3, timeout=300, pg_timeout=120)
 
 
