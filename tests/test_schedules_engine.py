@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import Counter
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -22,10 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
 from seqpipe.distributed.checkpoint import gather_full_state_dict, load, load_into_plain, save
+from seqpipe.microbatch import Batch
 from seqpipe.schedule import (
     SCHEDULES,
     Action,
@@ -36,7 +39,8 @@ from seqpipe.schedule import (
     placement_of,
 )
 from seqpipe.schedule import F as Fwd
-from seqpipe.skip import pop, skippable, stash
+from seqpipe.skip import inspect_skip_layout, pop, skippable, stash
+from seqpipe.stage import Received, Stage
 
 DTYPE = torch.float64
 NAMES = sorted({name for name in SCHEDULES if name != "gpipe"})  # gpipe = fill_drain
@@ -408,3 +412,71 @@ def test_peak_activations_stay_within_the_papers_bounds(tmp_path: Any) -> None:
     assert peaks["zb_h2"] <= 2 * peaks["1f1b"], peaks
     assert peaks["zbv"] <= peaks["1f1b"], peaks
     assert peaks["zb_h2"] > peaks["zb_h1"], peaks  # the meter sees the extra warm-up
+
+
+# --------------------------------------------------------------------------- one stage
+
+
+class _Count(TorchDispatchMode):
+    """Counts the aten operations that run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _one_stage(model: nn.Sequential) -> Stage:
+    layout = inspect_skip_layout(nn.Sequential(nn.Identity(), *model), [1, len(model)])
+    return Stage(1, model, torch.device("cpu"), layout)
+
+
+def _backward(stage: Stage, x: Tensor, g: Tensor, how: str) -> Tuple[Tensor, Counter]:
+    """The input gradient of one micro-batch by ``B``, ``I + W`` or a checkpointed
+    ``I + W``, and the operations the backward ran."""
+    received = Received(Batch((x,), True), {}, (True,))
+    _, state = stage.forward(received, grad=True, split=how != "B",
+                             checkpoint=how == "checkpointed")
+    assert state is not None
+    with _Count() as count:
+        if how == "B":
+            grads = stage.backward(state, [g], {})
+        else:
+            grads = stage.backward_input(state, [g], {})
+            stage.backward_weight(state)
+    assert grads.inputs[0] is not None
+    return grads.inputs[0], count.counts
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "weight used twice"])
+def test_split_backward_runs_each_operation_once_and_matches_b(shared: bool) -> None:
+    """I + W run exactly the operations of one B (a checkpointed micro-batch adds one
+    recomputation, not one per half); gradients are B's. A parameter used twice takes the
+    exact fallback (W re-runs the whole backward)."""
+    torch.manual_seed(0)
+    blocks = [m for _ in range(3) for m in (nn.Linear(16, 16), nn.Tanh())]
+    if shared:
+        blocks.append(blocks[0])
+    model = nn.Sequential(*blocks).to(DTYPE)
+    stage = _one_stage(model)
+    x = torch.randn(4, 16, dtype=DTYPE)
+    g = torch.randn(4, 16, dtype=DTYPE)
+    results = {}
+    for how in ("B", "split", "checkpointed"):
+        model.zero_grad(set_to_none=True)
+        dx, ops = _backward(stage, x, g, how)
+        results[how] = (dx, [p.grad.clone() for p in model.parameters()], ops)
+    for how in ("split", "checkpointed"):
+        torch.testing.assert_close(results[how][0], results["B"][0])
+        for got, want in zip(results[how][1], results["B"][1]):
+            torch.testing.assert_close(got, want)
+    b_ops, split_ops, ck_ops = (results[h][2] for h in ("B", "split", "checkpointed"))
+    if not shared:
+        assert split_ops["mm"] == b_ops["mm"] == 6, (b_ops, split_ops)
+        assert split_ops["tanh_backward"] == b_ops["tanh_backward"] == 3
+        assert ck_ops["mm"] == 6 and ck_ops["addmm"] == 3 and ck_ops["tanh"] == 3, ck_ops
+    else:  # the fallback: W runs the input path again
+        assert split_ops["tanh_backward"] == 2 * b_ops["tanh_backward"], (b_ops, split_ops)
