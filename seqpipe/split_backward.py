@@ -15,10 +15,10 @@ public graph API):
 
 ``I`` backpropagates from the stage's outputs to its input only (``inputs=``), so autograd
 computes nothing off ``P``, while pre-hooks on the boundary nodes keep their incoming
-gradients. ``W`` then asks each boundary node, from those gradients, for the gradients of
-its edges leaving ``P`` only, and runs one backward from those edges into the parameters
-(which fires their hooks and frees the graph). Every operation runs once, as in one
-backward: the gradients are those of a full backward.
+gradients. ``W`` then backpropagates from each boundary node, with those gradients, into
+the parameters behind its edges leaving ``P`` only (``inputs=``), so autograd computes
+those edges alone; each parameter is reached once, so its hooks fire once. Every
+operation runs once, as in one backward: the gradients are those of a full backward.
 """
 from __future__ import annotations
 
@@ -54,6 +54,23 @@ def _walk(roots: Sequence[Node], target: Node) -> Dict[Node, bool]:
     return reaches
 
 
+def _leaves_under(edges: Sequence[GradientEdge]) -> List[Tensor]:
+    """The leaf tensors (behind ``AccumulateGrad`` nodes) reachable through ``edges``."""
+    leaves: List[Tensor] = []
+    seen: set = set()
+    stack = [e.node for e in edges]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            leaves.append(variable)
+        stack.extend(c for c, _ in node.next_functions if c is not None)
+    return leaves
+
+
 @dataclass
 class SplitBackward:
     """One micro-batch's backward on one stage, run as ``input()`` then ``weight()``."""
@@ -63,7 +80,7 @@ class SplitBackward:
     wrt_input: Optional[Tensor]  # the leaf behind the stage's input node; None: no input path
     input_node: Optional[Node]
     captured: Dict[Node, Tuple[Optional[Tensor], ...]] = field(default_factory=dict)
-    leaving: Dict[Node, List[GradientEdge]] = field(default_factory=dict)
+    leaves: Dict[Node, List[Tensor]] = field(default_factory=dict)  # behind each boundary
     whole: bool = False  # W reruns the whole backward (a node shared off the input path)
 
     def input(self) -> None:
@@ -72,28 +89,31 @@ class SplitBackward:
             return
         reaches = _walk([r.node for r in self.roots], self.input_node)
         path = {node for node, reached in reaches.items() if reached}
+        # A node off the path with several parents (a parameter used twice, say) could be
+        # reached from one boundary node through another, which would then run part of
+        # the input path again. Rare; then W runs the whole backward again into the
+        # parameters (exact, as slow as a naive split).
         parents = Counter(c for node in reaches for c, _ in node.next_functions if c is not None)
+        self.whole = any(parents[node] > 1 for node in reaches if node not in path)
+        if self.whole:
+            return self._input_only()
         for node in path:
             if node is self.input_node:
                 continue
             edges = [GradientEdge(c, nr) for c, nr in node.next_functions
                      if c is not None and c not in path]
             if edges:
-                self.leaving[node] = edges
-        # A node off the path with several parents (a parameter used twice, say) could be
-        # reached from one boundary node through another: its gradient would be asked for
-        # twice. Rare; then W runs the whole backward again into the parameters (exact,
-        # as slow as a naive split).
-        self.whole = any(parents[e.node] > 1 for edges in self.leaving.values() for e in edges)
-        if self.whole:
-            self.leaving.clear()
-        handles = [node.register_prehook(self._keeper(node)) for node in self.leaving]
+                self.leaves[node] = _leaves_under(edges)
+        handles = [node.register_prehook(self._keeper(node)) for node in self.leaves]
         try:
-            torch.autograd.backward(self.roots, self.grads, inputs=[self.wrt_input],
-                                    retain_graph=True)
+            self._input_only()
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _input_only(self) -> None:
+        torch.autograd.backward(self.roots, self.grads, inputs=[self.wrt_input],
+                                retain_graph=True)
 
     def _keeper(self, node: Node) -> Any:
         def keep(grad_outputs: Tuple[Optional[Tensor], ...]) -> None:
@@ -101,27 +121,26 @@ class SplitBackward:
         return keep
 
     def weight(self, wrt: Sequence[Tensor]) -> None:
-        """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph."""
+        """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph.
+
+        Each boundary node runs again from the gradients it got in ``input``, asked only
+        for the leaves behind its edges off the input path, so it computes those edges
+        alone and nothing of the input path runs twice. (A hook on the boundary node's
+        output tensor, rare inside a stage, therefore runs in both halves.)
+        """
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and wrt:
                 torch.autograd.backward(self.roots, self.grads, inputs=list(wrt))
             return
-        edges: List[GradientEdge] = []
-        grads: List[Tensor] = []
-        for node, leaving in self.leaving.items():
-            incoming = self.captured.get(node)
-            if incoming is None:
+        wanted = {id(t) for t in wrt}
+        captured, self.captured = self.captured, {}
+        leaves, self.leaves = self.leaves, {}
+        for node, behind in leaves.items():
+            incoming = captured.get(node)
+            targets = [t for t in behind if id(t) in wanted]
+            if incoming is None or not targets:
                 continue
             outs = [GradientEdge(node, k) for k, g in enumerate(incoming) if g is not None]
-            if not outs:
-                continue
-            got = torch.autograd.grad(outs, leaving, [g for g in incoming if g is not None],
-                                      retain_graph=True, allow_unused=True)
-            for edge, grad in zip(leaving, got):
-                if grad is not None:
-                    edges.append(edge)
-                    grads.append(grad)
-        self.captured.clear()
-        self.leaving.clear()
-        if edges and wrt:
-            torch.autograd.backward(edges, grads, inputs=list(wrt))
+            if outs:
+                torch.autograd.backward(outs, [g for g in incoming if g is not None],
+                                        inputs=targets)
