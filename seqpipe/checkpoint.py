@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import threading
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple
 
+import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from seqpipe.rng import isolated_rng
 
-__all__ = ["MODES", "check_mode", "checkpoint_stop", "is_checkpointing", "is_recomputing",
-           "run_task"]
+__all__ = ["MODES", "Replay", "check_mode", "checkpoint_stop", "first_pass", "is_checkpointing",
+           "is_recomputing", "run_task"]
 
 MODES = ("always", "except_last", "never")
 
@@ -92,3 +94,45 @@ def run_task(function: Callable[..., Any], args: Tuple[Any, ...], *, checkpoint:
 
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts,
                             preserve_rng_state=seed is None)
+
+
+@dataclass
+class Replay:
+    """How to recompute a checkpointed forward by hand: its private seed, or else the
+    global generators' states when it ran (CPU, and ``device``'s if it is a GPU).
+
+    A split backward (``I`` then ``W``) recomputes once for both halves, which
+    ``torch.utils.checkpoint`` cannot do: it recomputes in every backward call.
+    """
+
+    seed: Optional[int]
+    device: torch.device
+    cpu_state: Optional[torch.Tensor] = None
+    device_state: Optional[torch.Tensor] = None
+
+    @contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Gradients on, ``is_recomputing()`` true and the random state of the first pass."""
+        if self.seed is not None:
+            with torch.enable_grad(), _flag("recomputing"):
+                yield  # run_task's private stream, reseeded by the caller with ``seed``
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), _flag("recomputing"):
+            assert self.cpu_state is not None
+            torch.set_rng_state(self.cpu_state)
+            if self.device_state is not None:
+                torch.cuda.set_rng_state(self.device_state, self.device)
+            yield
+
+
+def first_pass(function: Callable[..., Any], args: Tuple[Any, ...], *, seed: Optional[int],
+               device: torch.device) -> Tuple[Any, Replay]:
+    """Run a checkpointed forward without keeping a graph; and how to replay it."""
+    replay = Replay(seed, device)
+    if seed is None:
+        replay.cpu_state = torch.get_rng_state()
+        if device.type == "cuda":
+            replay.device_state = torch.cuda.get_rng_state(device)
+    with torch.no_grad(), _flag("checkpointing"):
+        return run_task(function, args, checkpoint=False, seed=seed), replay

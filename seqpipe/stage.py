@@ -22,11 +22,12 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import has_torch_function
 
 from seqpipe.batchnorm import DeferredBatchNorm
-from seqpipe.checkpoint import run_task
+from seqpipe.checkpoint import Replay, first_pass, run_task
 from seqpipe.microbatch import Batch
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
+from seqpipe.split_backward import SplitBackward
 from seqpipe.stream import move
 
 __all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "moved", "wants_grad"]
@@ -65,6 +66,14 @@ class Sent:
 
     outputs: Batch
     skips: Dict[SkipKey, Optional[Tensor]]
+    replayed: bool = False  # computed without a graph, to be recomputed with one at I
+
+    def wants_grad(self, tensor: Optional[Tensor]) -> bool:
+        """Whether the receiver of ``tensor`` should send its gradient back: as
+        ``wants_grad``; for a forward that will be recomputed, whether it will have one."""
+        if self.replayed:
+            return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
+        return wants_grad(tensor)
 
 
 @dataclass
@@ -118,6 +127,19 @@ class TaskState:
     present: List[int] = field(default_factory=list)  # which received tensors were not None
     roots: List[Optional[GradientEdge]] = field(default_factory=list)
     skip_roots: Dict[SkipKey, Optional[GradientEdge]] = field(default_factory=dict)
+    input_node: Any = None  # the _Receive node (a split backward stops there)
+    replay: Optional["_Pending"] = None  # a checkpointed forward, recomputed at I
+    split: Optional[SplitBackward] = None  # between I and W
+    head: Optional[Callable[[Batch], Tensor]] = None  # the loss, on a replayed last stage
+
+
+@dataclass
+class _Pending:
+    """What the recomputation of a checkpointed forward needs (split backward)."""
+
+    received: Received
+    replay: Replay
+    sink: Optional[GradSink]
 
 
 def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
@@ -175,12 +197,17 @@ class Stage:
         return run
 
     def forward(self, received: Received, *, grad: bool, checkpoint: bool = False,
-                seed: Optional[int] = None,
-                sink: Optional[GradSink] = None) -> Tuple[Sent, Optional[TaskState]]:
+                seed: Optional[int] = None, sink: Optional[GradSink] = None,
+                split: bool = False) -> Tuple[Sent, Optional[TaskState]]:
         """Run the partition on one micro-batch; with ``grad``, keep what backward needs.
 
         With a ``sink``, the parameters' gradients will accumulate there, not in ``.grad``.
+        With ``split`` the backward will run as ``backward_input`` then ``backward_weight``;
+        a checkpointed forward then keeps no graph at all, and ``backward_input``
+        recomputes it once, for both halves (a torch checkpoint would recompute in each).
         """
+        if grad and split and checkpoint:
+            return self._forward_to_replay(received, seed, sink)
         if not grad:
             tracker = StageSkipTracker(self.crossing, dict(received.skips))
             with torch.no_grad():
@@ -189,6 +216,18 @@ class Stage:
             return self._sent(out, tracker), None
         with torch.enable_grad():  # also inside autograd.Function.forward, where it is off
             return self._forward_with_grad(received, checkpoint, seed, sink)
+
+    def _forward_to_replay(self, received: Received, seed: Optional[int],
+                           sink: Optional[GradSink]) -> Tuple[Sent, TaskState]:
+        tracker = StageSkipTracker(self.crossing, dict(received.skips))
+        protect = bool(getattr(self.partition[0], "inplace", False))
+        out, replay = first_pass(self._call(tracker, received.inputs.atomic, protect, sink),
+                                 received.inputs.tensors, seed=seed, device=self.device)
+        state = TaskState(None, None, len(received.inputs), tuple(received.skips))
+        state.replay = _Pending(received, replay, sink)
+        sent = self._sent(out, tracker)
+        sent.replayed = bool(self.parameters()) or any(received.grad_flags)
+        return sent, state
 
     def _sent(self, out: Any, tracker: StageSkipTracker) -> Sent:
         # Take the outgoing skips out of the tracker: a checkpoint keeps the tracker (for
@@ -203,7 +242,8 @@ class Stage:
         return Sent(Batch.of(out), outgoing)
 
     def _forward_with_grad(self, received: Received, checkpoint: bool, seed: Optional[int],
-                           sink: Optional[GradSink]) -> Tuple[Sent, TaskState]:
+                           sink: Optional[GradSink],
+                           replaying: bool = False) -> Tuple[Sent, TaskState]:
         keys = tuple(received.skips)
         incoming = [*received.inputs.tensors, *(received.skips[k] for k in keys)]
         present = [i for i, t in enumerate(incoming) if t is not None]
@@ -214,9 +254,12 @@ class Stage:
             state.phony = torch.empty(0, device=self.device, requires_grad=True)
             for i, t in zip(present, _Receive.apply(state.phony, state.box)):
                 incoming[i] = t
+                if state.input_node is None and t.grad_fn is not None:
+                    state.input_node = t.grad_fn
             state.box.tensors = ()  # the graph holds what it needs; drop our references
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
+        tracker.replaying = replaying
         out = run_task(self._call(tracker, received.inputs.atomic, checkpoint, sink), inputs,
                        checkpoint=checkpoint, seed=seed)
         sent = self._sent(out, tracker)
@@ -250,6 +293,48 @@ class Stage:
             roots, grads = zip(*pairs)
             torch.autograd.backward(list(roots), list(grads), inputs=_targets(wrt))
         return self._received_grads(state)
+
+    def backward_input(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
+                       skip_grads: Dict[SkipKey, Optional[Tensor]]) -> Grads:
+        """The first half of a split backward (``I``): the gradients of the micro-batch's
+        inputs and skips only, returned as ``backward`` returns them. The parameters'
+        gradients wait in ``state`` for ``backward_weight``."""
+        if state.replay is not None:  # a checkpointed forward: recompute it, once
+            pending, state.replay = state.replay, None
+            with pending.replay.recomputing():
+                sent, fresh = self._forward_with_grad(pending.received, False,
+                                                      pending.replay.seed, pending.sink,
+                                                      replaying=True)
+                if state.head is not None:
+                    fresh.roots = [get_gradient_edge(state.head(sent.outputs))]
+            state.__dict__.update({k: v for k, v in fresh.__dict__.items()
+                                   if k not in ("replay", "head")})
+        roots, grads = self._pairs(state, grad_outputs, skip_grads)
+        state.split = SplitBackward(roots, grads, state.phony, state.input_node)
+        state.split.input()
+        return self._received_grads(state)
+
+    def backward_weight(self, state: TaskState, *, sink: Optional[GradSink] = None) -> None:
+        """The second half of a split backward (``W``): the parameters' gradients, into
+        ``sink`` or ``.grad`` as ``backward`` would; frees the micro-batch's graph."""
+        assert state.split is not None, "backward_weight before backward_input"
+        wrt: List[Tensor] = list(sink.leaves(self.index)) if sink is not None else []
+        wrt += self.parameters()
+        split, state.split = state.split, None
+        split.weight(wrt)
+
+    @staticmethod
+    def _pairs(state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
+               skip_grads: Dict[SkipKey, Optional[Tensor]]
+               ) -> Tuple[List[GradientEdge], List[Tensor]]:
+        """The graph's roots that get a gradient, and their gradients."""
+        pairs: List[Tuple[GradientEdge, Tensor]] = [
+            (r, g) for r, g in zip(state.roots, grad_outputs) if r is not None and g is not None]
+        for key, grad in skip_grads.items():
+            root = state.skip_roots.get(key)
+            if root is not None and grad is not None:
+                pairs.append((root, grad))
+        return [r for r, _ in pairs], [g for _, g in pairs]
 
     @staticmethod
     def _received_grads(state: TaskState) -> Grads:

@@ -33,10 +33,11 @@ def _two_by_two(rank: int, world: int) -> None:
     assert back is not None and back is not pp
     assert dist.get_process_group_ranks(back) == dist.get_process_group_ranks(pp)
     for schedule, checkpoint in [("1f1b", "except_last"), ("fill_drain", "always"),
-                                 ("1f1b", "never")]:
+                                 ("1f1b", "never"), ("zb_h1", "always"), ("zbv", "never")]:
         reference = _model()
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-        pipe = DistributedPipe(_model(), chunks=4, balance=[3, 4], schedule=schedule,
+        balance = [2, 2, 2, 1] if schedule == "zbv" else [3, 4]  # zbv: two stages per rank
+        pipe = DistributedPipe(_model(), chunks=4, balance=balance, schedule=schedule,
                                checkpoint=checkpoint, group=pp, data_parallel_group=dp)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
         names = dict(reference.named_parameters())

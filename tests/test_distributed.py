@@ -511,11 +511,8 @@ def construction_errors(rank: int, world: int) -> None:
             lambda: DistributedPipe(nn.ModuleList([nn.Linear(2, 2)]), 2))  # type: ignore
     _raises(failures, ScheduleError, ["deadlock"], "deadlocking schedule",
             lambda: DistributedPipe(mlp(), 2, balance=[3, 4], schedule=Deadlocking()))
-    _raises(failures, ScheduleError, ["I0 is a backward_input pass", "runs only F, B"],
-            "split backward not run yet",
-            lambda: DistributedPipe(mlp(), 2, balance=[3, 4], schedule="zb_h1"))
-    _raises(failures, ScheduleError, ["holds 2 stages", "runs 1 per rank"],
-            "several stages per rank not run yet",
+    _raises(failures, ValueError, ["2 entries", "4 stages", "2 ranks"],
+            "balance with one entry per rank under a two-stages-per-rank schedule",
             lambda: DistributedPipe(mlp(), 2, balance=[3, 4], schedule="zbv"))
 
     # Ranks that disagree raise on every rank (after one all_gather) and name the odd ones.

@@ -17,7 +17,9 @@ from distributed_harness import run_workers
 from seqpipe.distributed import DistributedPipe
 
 MODES = [("1f1b", "except_last"), ("1f1b", "always"), ("fill_drain", "never"),
-         ("fill_drain", "always")]
+         ("fill_drain", "always"), ("zb_h1", "always"), ("zb_h2", "never"),
+         ("zbv", "except_last"), ("interleaved_1f1b", "never")]
+BALANCE = {"zbv": [2, 1, 1, 1], "interleaved_1f1b": [1, 1, 2, 1]}  # two stages per rank
 
 
 class _UnlessSingle(nn.Module):
@@ -74,8 +76,8 @@ def _once_with_the_sum(rank: int, world: int) -> None:
     for schedule, checkpoint in MODES:
         reference = _model()
         _reference_backward(reference, *_batch(0))
-        pipe = DistributedPipe(_model(), chunks=4, balance=[2, 3], schedule=schedule,
-                               checkpoint=checkpoint)
+        pipe = DistributedPipe(_model(), chunks=4, balance=BALANCE.get(schedule, [2, 3]),
+                               schedule=schedule, checkpoint=checkpoint)
         seen, flowing = _record_hooks(pipe)
         _step(pipe, 0)
         expected = dict(reference.named_parameters())
@@ -114,6 +116,6 @@ def _optimizer_in_backward(rank: int, world: int, schedule: str) -> None:
         assert torch.allclose(param, expected[name], atol=1e-12), (schedule, name)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "fill_drain"])
+@pytest.mark.parametrize("schedule", ["1f1b", "fill_drain", "zb_h1"])
 def test_an_optimizer_stepped_in_backward_sees_full_gradients(schedule: str) -> None:
     run_workers(_optimizer_in_backward, 2, schedule, timeout=120)

@@ -106,22 +106,22 @@ def test_two_stages_three_microbatches_1f1b_exactly() -> None:
     P = Planned
     assert messages(0, 1, actions, no_skips(2), True) == [
         P(Kind.STEP, -1, -1, -1, -1),
-        P(Kind.ACTIVATION, 0, -1, 0, 0),
-        P(Kind.ACTIVATION, 1, -1, 1, 2),
-        P(Kind.ACTIVATION, 2, -1, 3, 4),
+        P(Kind.ACTIVATION, 0, -1, 0, 0, 0),
+        P(Kind.ACTIVATION, 1, -1, 1, 2, 0),
+        P(Kind.ACTIVATION, 2, -1, 3, 4, 0),
         P(Kind.DONE, -1, -1, 6, 6),
     ]
     assert messages(1, 0, actions, no_skips(2), True) == [
-        P(Kind.GRAD, 0, -1, 1, 2),
-        P(Kind.GRAD, 1, -1, 3, 4),
-        P(Kind.GRAD, 2, -1, 5, 5),
+        P(Kind.GRAD, 0, -1, 1, 2, 1),
+        P(Kind.GRAD, 1, -1, 3, 4, 1),
+        P(Kind.GRAD, 2, -1, 5, 5, 1),
         P(Kind.LOSS, -1, -1, 6, 6),
     ]
     # Forward only: the activations, and DONE from the last stage.
     forward = actions_of("1f1b", 2, 3, False)
     assert messages(0, 1, forward, no_skips(2), False) == [
-        OPENING, P(Kind.ACTIVATION, 0, -1, 0, 0), P(Kind.ACTIVATION, 1, -1, 1, 1),
-        P(Kind.ACTIVATION, 2, -1, 2, 2)]
+        OPENING, P(Kind.ACTIVATION, 0, -1, 0, 0, 0), P(Kind.ACTIVATION, 1, -1, 1, 1, 0),
+        P(Kind.ACTIVATION, 2, -1, 2, 2, 0)]
     assert messages(1, 0, forward, no_skips(2), False) == [P(Kind.DONE, -1, -1, 3, 3)]
 
 
@@ -335,7 +335,8 @@ def aborts(k: int, clock: str, grad: bool, layout: SkipLayout
                         transport.will_send(d, planned)
                         for p in planned:
                             if p.sent_at < n:
-                                transport.send(d, p.kind, p.microbatch, [], key=p.key)
+                                transport.send(d, p.kind, p.microbatch, [], key=p.key,
+                                               origin=p.origin)
                     sent.clear()
                     transport.abort("stage failed", heard_from, patience=timedelta(0))
                     yield s, n, heard_from, list(sent)

@@ -232,7 +232,7 @@ def _check_no_unexpected(module: nn.Module, model_state: Dict[str, Any],
     distributed = isinstance(module, DistributedPipe) and not no_dist
     if isinstance(module, DistributedPipe) and not no_dist:
         count -= sum(t.name in model_state for t in module.ties
-                     if t.stages[0] != module.stage_index)  # counted by its first stage
+                     if t.stages[0] != module.rank)  # counted by its first rank
         total = torch.tensor([count], dtype=torch.int64, device=module.device)
         dist.all_reduce(total, group=module.group)
         count = int(total.item())
@@ -241,11 +241,10 @@ def _check_no_unexpected(module: nn.Module, model_state: Dict[str, Any],
     if distributed:
         assert isinstance(module, DistributedPipe)
         layers = {str(i) for i in range(sum(module.balance))}
-        start = sum(module.balance[:module.stage_index])
-        mine = {str(i) for i in range(start, start + module.balance[module.stage_index])}
+        mine = set(module.layer_names)
         odd = [k for k in saved if k.split(".")[0] not in layers
                or (k.split(".")[0] in mine and k not in model_state and k not in aliases)]
-        where = f"the {module.num_stages} stages of this pipeline hold {count} together"
+        where = f"the {module.num_ranks} ranks of this pipeline hold {count} together"
     else:
         odd = [k for k in saved if k not in model_state and k not in aliases]
         where = f"this model has {count}"
@@ -284,7 +283,7 @@ def gather_full_state_dict(pipe: DistributedPipe, dst: int = 0) -> Optional[Dict
     if not isinstance(pipe, DistributedPipe):
         raise TypeError(f"gather_full_state_dict takes a DistributedPipe, not "
                         f"{type(pipe).__name__}; a local module's state_dict() is already full")
-    k, me, group = pipe.num_stages, pipe.stage_index, pipe.group
+    k, me, group = pipe.num_ranks, pipe.rank, pipe.group
     if not 0 <= dst < k:
         raise ValueError(f"dst={dst} is not a stage of this {k}-stage pipeline "
                          f"(give a stage index, 0 to {k - 1})")
@@ -340,6 +339,9 @@ def gather_full_state_dict(pipe: DistributedPipe, dst: int = 0) -> Optional[Dict
                 raise ValueError(f"stage {stage} holds {name!r}, which an earlier stage "
                                  f"holds too; the stages do not split one model")
             full[name] = value
+    if pipe.num_stages != k and all(name.split(".")[0].isdigit() for name in full):
+        # a rank holds stages from several places in the model: back to the model's order
+        full = dict(sorted(full.items(), key=lambda kv: int(kv[0].split(".")[0])))
     return full
 
 

@@ -1,10 +1,10 @@
-"""``DistributedPipe``: one pipeline stage per process, over ``torch.distributed``."""
+"""``DistributedPipe``: a pipeline's stages spread over processes, over ``torch.distributed``."""
 from __future__ import annotations
 
 import warnings
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -22,27 +22,40 @@ from seqpipe.distributed.data_parallel import (
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.materialize import materialize
 from seqpipe.distributed.mesh import reverse_group
-from seqpipe.distributed.plan import OPENING, Planned, call_actions, messages, pipeline_channels
+from seqpipe.distributed.plan import (
+    OPENING,
+    Planned,
+    call_actions,
+    closer,
+    messages,
+    pipeline_channels,
+)
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from seqpipe.partition import check_balance, verify_module
 from seqpipe.pipe import check_chunks
-from seqpipe.schedule import Action, Phase, Schedule, get_schedule, validate_schedule
+from seqpipe.schedule import (
+    Action,
+    AnySchedule,
+    Phase,
+    Placement,
+    get_schedule,
+    placement_of,
+    validate_schedule,
+)
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
 
 __all__ = ["DistributedPipe"]
 
-# What this engine runs of what schedules can express: one stage per rank, F and B actions.
-# Split backward (I/W) and several stages per rank are refused by validate_schedule.
-_RUNS: Dict[str, Any] = {"phases": "FB", "stages_per_rank": 1}
+_LAST = (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)  # a stage's gradients are final after these
 
 
 @dataclass(frozen=True)
 class _CallPlan:
-    """A stage's part of a call: its actions and the messages it receives and sends."""
+    """A rank's part of a call: its actions and the messages it receives and sends."""
 
     actions: List[Action]
     incoming: Dict[int, List[Planned]]
@@ -66,23 +79,30 @@ def _fingerprint(module: nn.Sequential, config: Tuple[Any, ...]) -> int:
 
 
 class DistributedPipe(nn.Module):
-    """One stage of a pipeline that spans processes; every rank builds it the same way.
+    """This rank's stages of a pipeline that spans processes; every rank builds it the
+    same way.
 
-    The rank's index in ``group`` (default: the whole world) is its stage. It keeps only
-    its own layers, on ``device``, registered under their names in the original
-    ``nn.Sequential`` (so ``state_dict()`` keys are ``"4.weight"``, and the ranks' state
-    dicts together are the unpipelined model's); the other layers are moved to the
-    ``meta`` device, which frees them. A parameter that layers of several stages share
-    (tied weights) has a copy on each of them, whose gradients are summed after every
-    step (see ``seqpipe.distributed.ties``; ``ties`` lists them, ``check_ties`` compares
-    the copies).
+    The schedule's placement says which stages the rank (its index in ``group``, default
+    the whole world) holds: stage ``r`` on rank ``r`` for one-stage-per-rank schedules;
+    under interleaved schedules stage ``s`` on rank ``s mod K``, under V-shaped ones rank
+    ``r`` holds stages ``r`` and ``2K-1-r``. It keeps only those stages' layers, on
+    ``device``, registered under their names in the original ``nn.Sequential`` (so
+    ``state_dict()`` keys are ``"4.weight"``, and the ranks' state dicts together are the
+    unpipelined model's); the other layers are moved to the ``meta`` device, which frees
+    them. A parameter that layers of stages on several ranks share (tied weights) has a
+    copy on each of those ranks, whose gradients are summed after every step (see
+    ``seqpipe.distributed.ties``; ``ties`` lists them with the ranks that hold them,
+    ``check_ties`` compares the copies); stages on one rank share one copy.
 
     Args:
         module: the whole model, the same on every rank (``meta`` tensors are fine).
         chunks: micro-batches per mini-batch (fewer if the batch is smaller).
-        balance: layers per stage; one entry per rank of ``group``. Default: split by
-            parameter count.
-        schedule: ``"1f1b"``, ``"fill_drain"``, or any ``seqpipe.schedule.Schedule``.
+        balance: layers per stage; one entry per stage: ``K`` (the size of ``group``) for
+            a one-stage-per-rank schedule, ``K * V`` for a schedule that gives each rank
+            ``V`` stages. Default: split by parameter count into that many stages.
+        schedule: a built-in name (``"1f1b"``, ``"fill_drain"``, ``"zb_h1"``, ``"zb_h2"``,
+            ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zb"``, ``"zbv"``,
+            ``"dualpipev"``), or any ``seqpipe.schedule.Schedule`` or ``StagedSchedule``.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: BatchNorm running statistics once per mini-batch.
         group: the pipeline's process group.
@@ -98,7 +118,7 @@ class DistributedPipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, chunks: int = 1, *,
                  balance: Optional[Sequence[int]] = None,
-                 schedule: Union[str, Schedule] = "1f1b", checkpoint: str = "except_last",
+                 schedule: Union[str, AnySchedule] = "1f1b", checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False, group: Optional[dist.ProcessGroup] = None,
                  device: Union[str, torch.device, None] = None,
                  data_parallel_group: Optional[dist.ProcessGroup] = None,
@@ -110,13 +130,17 @@ class DistributedPipe(nn.Module):
                                "torch.distributed.init_process_group() first (or launch with "
                                "torchrun), or use seqpipe.Pipe for one process")
         self.group = group
-        self.num_stages = dist.get_world_size(group)
-        self.stage_index = dist.get_rank(group)
-        if self.stage_index < 0:
+        self.num_ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
             raise ValueError("this rank is not a member of the pipeline group")
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
         self.schedule = get_schedule(schedule)
+        self.placement = placement_of(self.schedule, self.num_ranks)
+        self.num_stages = self.placement.num_stages
+        self.stages: Tuple[int, ...] = self.placement.stages_of(self.rank)
+        self.stage_index = self.stages[0]  # with one stage per rank, the stage
         self.device = torch.device(device) if device is not None else _default_device()
         if self.device.type == "meta":
             raise ValueError("device='meta' holds no values to train; give the stage a real "
@@ -125,27 +149,33 @@ class DistributedPipe(nn.Module):
         self.base_seed = base_seed
         self.broadcast_buffers = bool(broadcast_buffers)
         self.balance = self._resolve_balance(module, balance)
-        validate_schedule(self.schedule, self.num_stages, self.chunks, **_RUNS)
+        validate_schedule(self.schedule, self.num_ranks, self.chunks)
         layout = inspect_skip_layout(module, self.balance)
-        self.ties: Tuple[Tie, ...] = tuple(find_ties(module, self.balance))
+        self.ties: Tuple[Tie, ...] = tuple(_across_ranks(find_ties(module, self.balance),
+                                                         self.placement))
         fingerprint = self._check_same_everywhere(module)
-        start = sum(self.balance[:self.stage_index])
-        stop = start + self.balance[self.stage_index]
         named = list(module.named_children())
-        partition = nn.Sequential(*(layer for _, layer in named[start:stop]))
+        bounds = [sum(self.balance[:s]) for s in range(self.num_stages + 1)]
+        held = {n for s in self.stages for n in range(bounds[s], bounds[s + 1])}
+        partitions = {s: nn.Sequential(*(layer for _, layer in named[bounds[s]:bounds[s + 1]]))
+                      for s in self.stages}
+        partition = nn.Sequential(*(layer for n, (_, layer) in enumerate(named) if n in held))
         for n, (name, layer) in enumerate(named):
-            if start <= n < stop:
+            if n in held:
                 self.add_module(name, layer)
             else:
                 drop_layer(layer, keep=partition)  # not ours: free it (but not what we share)
+        self.layer_names: Tuple[str, ...] = tuple(name for n, (name, _) in enumerate(named)
+                                                  if n in held)
         tied_on_meta = self._tied_on_meta()
         with ties_kept(partition):
             materialize([(n, name, layer) for n, (name, layer) in enumerate(named)
-                         if start <= n < stop], self.device, base_seed)
+                         if n in held], self.device, base_seed)
         if deferred_batch_norm:
             convert_deferred_batch_norm(partition)
         object.__setattr__(self, "partition", partition)  # a view: its layers are registered
-        self._stage = Stage(self.stage_index, partition, self.device, layout)
+        self._stages = {s: Stage(s, partitions[s], self.device, layout) for s in self.stages}
+        self._stage = self._stages[self.stage_index]
         self._layout = layout
         reverse = reverse_group(group)
         if reverse is None and dist.get_backend(group) == "nccl":
@@ -156,7 +186,7 @@ class DistributedPipe(nn.Module):
                           "which give each direction its own group", stacklevel=2)
         self._transport = Transport(group, self.device, reverse=reverse)
         # NCCL makes a communicator per pair on first use: open them all now, in one order
-        self._transport.connect(pipeline_channels(self.schedule, self.num_stages, self.chunks,
+        self._transport.connect(pipeline_channels(self.schedule, self.num_ranks, self.chunks,
                                                   layout))
         self.data_parallel_group = data_parallel_group
         self._reducer: Optional[GradientReducer] = None
@@ -167,7 +197,7 @@ class DistributedPipe(nn.Module):
         self._tied: Optional[TiedCopies] = None
         if self.ties:
             self._tied = TiedCopies(self.ties, dict(self.named_parameters(remove_duplicate=False)),
-                                    self.stage_index, group, data_parallel_group, self.device)
+                                    self.rank, group, data_parallel_group, self.device)
             self._tied.verify(tied_on_meta, at_construction=True)
         self._validated = {self.chunks}
         self._plans: Dict[Tuple[int, bool], _CallPlan] = {}
@@ -192,24 +222,28 @@ class DistributedPipe(nn.Module):
             return balance_by_params(self.num_stages, module)
         balance = check_balance(module, balance)
         if len(balance) != self.num_stages:
+            per_rank = self.num_stages // self.num_ranks
             raise ValueError(
-                f"balance has {len(balance)} entries but the pipeline group has "
-                f"{self.num_stages} ranks; give one entry per rank (stage)")
+                f"balance has {len(balance)} entries but the pipeline has {self.num_stages} "
+                f"stages ({self.num_ranks} ranks, {per_rank} stage(s) per rank under "
+                f"{type(self.schedule).__name__}); give one entry per stage")
         return balance
 
     def _check_same_everywhere(self, module: nn.Sequential) -> int:
         config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
-                  self.num_stages, self.broadcast_buffers, [tie.names for tie in self.ties],
+                  self.placement.ranks, self.broadcast_buffers, [tie.names for tie in self.ties],
                   self.base_seed)
         mine = torch.tensor([_fingerprint(module, config)], dtype=torch.int64,
                             device=self.device)
-        everyone = [torch.zeros_like(mine) for _ in range(self.num_stages)]
+        everyone = [torch.zeros_like(mine) for _ in range(self.num_ranks)]
         dist.all_gather(everyone, mine, group=self.group)
         values = [int(t.item()) for t in everyone]
         odd = [s for s, v in enumerate(values) if v != values[0]]
         if odd:
             raise ValueError(
                 f"stages {odd} built a different model or pipeline settings than stage 0 "
+                if self.num_ranks == self.num_stages else
+                f"ranks {odd} built a different model or pipeline settings than rank 0 "
                 f"(layers, parameter shapes, balance, chunks, checkpoint or schedule differ); "
                 f"every rank must construct DistributedPipe from the same model and arguments")
         return values[0]
@@ -217,73 +251,91 @@ class DistributedPipe(nn.Module):
     # -- running -----------------------------------------------------------------------
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """Whether this rank holds stage 0, so reads the input batch."""
+        return 0 in self.stages
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """Whether this rank holds the last stage, so reads the target (under V-shaped
+        schedules rank 0 holds both)."""
+        return self.num_stages - 1 in self.stages
 
     def _plan(self, m: int, grad: bool) -> "_CallPlan":
-        """This stage's actions in a call of ``m`` micro-batches, and its messages."""
+        """This rank's actions in a call of ``m`` micro-batches, and its messages."""
         if (m, grad) not in self._plans:
             if m not in self._validated:
-                validate_schedule(self.schedule, self.num_stages, m, **_RUNS)
+                validate_schedule(self.schedule, self.num_ranks, m)
                 self._validated.add(m)
-            k, me = self.num_stages, self.stage_index
+            k, me, where = self.num_ranks, self.rank, self.placement
             actions = call_actions(self.schedule, k, m, grad)
             self._plans[(m, grad)] = _CallPlan(
                 actions[me],
-                {s: messages(s, me, actions, self._layout, grad) for s in range(k) if s != me},
-                {s: messages(me, s, actions, self._layout, grad) for s in range(k) if s != me})
+                {r: messages(r, me, actions, self._layout, grad, where) for r in range(k)
+                 if r != me},
+                {r: messages(me, r, actions, self._layout, grad, where) for r in range(k)
+                 if r != me})
         return self._plans[(m, grad)]
 
     def _open(self, call: Call,
               input: Optional[TensorOrTensors]) -> Tuple[List[Batch], List[Action]]:
-        """Start a call: stage 0 cuts the batch and tells every stage how many micro-batches
-        there are; then every stage knows its actions and the messages it will exchange."""
+        """Start a call: the rank of stage 0 cuts the batch and tells every rank how many
+        micro-batches there are; then every rank knows its actions and the messages it
+        will exchange."""
         transport = self._transport
+        opener = self.placement.rank_of(0)
+        others = [r for r in range(self.num_ranks) if r != opener]
         if self.is_first:
-            for s in range(1, self.num_stages):  # so that a failure from here on tells them
-                transport.will_send(s, [OPENING])
+            for r in others:  # so that a failure from here on tells them
+                transport.will_send(r, [OPENING])
             if input is None:
-                raise ValueError("stage 0 needs the input batch; pass it on the first rank")
+                raise ValueError("the rank of stage 0 needs the input batch; pass it on "
+                                 "that rank (pipe.is_first)")
             batches = scatter(input, self.chunks)
             if not batches:
                 raise ValueError("the input batch is empty (size 0 on dim 0)")
         else:
-            transport.expect(0, [OPENING])
-            count = call.need(0, Kind.STEP).count
+            transport.expect(opener, [OPENING])
+            count = call.need(opener, Kind.STEP).count
             batches = [Batch((), True)] * count  # placeholders: only their number matters
         plan = self._plan(len(batches), call.grad)
-        for s, planned in plan.incoming.items():
-            transport.expect(s, planned[1:] if s == 0 else planned)  # STEP: taken above
-        for s, planned in plan.outgoing.items():
-            transport.will_send(s, planned[1:] if self.is_first else planned)  # STEP: above
+        call.microbatches = len(batches)
+        for r, planned in plan.incoming.items():
+            transport.expect(r, planned[1:] if r == opener else planned)  # STEP: taken above
+        for r, planned in plan.outgoing.items():
+            transport.will_send(r, planned[1:] if self.is_first else planned)  # STEP: above
         if self.is_first:
-            for s in range(1, self.num_stages):
-                call.send(s, Kind.STEP, -1, [], count=len(batches))
+            for r in others:
+                call.send(r, Kind.STEP, -1, [], count=len(batches))
         return batches, plan.actions
 
     def _close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
-        """End the call on every stage together, so no rank returns while another fails.
+        """End the call on every rank together, so no rank returns while another fails.
 
-        The last stage sends the loss to everyone; then the stage that finishes last (stage
-        0 after a backward, the last stage after a forward-only call) sends DONE to all.
+        The rank of the last stage sends the loss to everyone; then the rank that finishes
+        last (that of stage 0 after a backward, that of the last stage after a
+        forward-only call) sends DONE to all.
         """
-        k = self.num_stages
-        if call.grad and k > 1:
-            if self.is_last:
-                for s in range(k - 1):
-                    call.send(s, Kind.LOSS, -1, [loss])
-            else:
-                loss = call.need(k - 1, Kind.LOSS).tensors[0]
-        closer = 0 if call.grad else k - 1
-        if self.stage_index == closer:
-            for s in range(k):
-                if s != closer:
-                    call.send(s, Kind.DONE, -1, [])
+        k, rank_of = self.num_ranks, self.placement.rank_of
+        plan = self._plans[(call.microbatches, call.grad)]
+        last = rank_of(self.num_stages - 1)
+        finisher = rank_of(closer(self.num_stages, call.grad))
+        if call.grad and k > 1 and self.rank == last:
+            for r in range(k):
+                if r != last:
+                    call.send(r, Kind.LOSS, -1, [loss])
+        if any(p.kind is Kind.DONE for p in plan.outgoing.get(finisher, [])):
+            call.send(finisher, Kind.DONE, -1, [])  # after a quiet tail (see plan.quiet_tail)
+        if call.grad and k > 1 and self.rank != last:
+            loss = call.need(last, Kind.LOSS).tensors[0]
+        if self.rank == finisher:
+            for r, planned in plan.incoming.items():
+                if any(p.kind is Kind.DONE for p in planned):
+                    call.need(r, Kind.DONE)
+            for r in range(k):
+                if r != finisher:
+                    call.send(r, Kind.DONE, -1, [])
         else:
-            call.need(closer, Kind.DONE)
+            call.need(finisher, Kind.DONE)
         call.flush()
         return loss
 
@@ -291,11 +343,12 @@ class DistributedPipe(nn.Module):
                    loss_fn: LossFn, *, scaler: Optional[PipeGradScaler] = None) -> Tensor:
         """Forward and backward one mini-batch through the whole pipeline.
 
-        ``input`` is read on the first stage and ``target`` on the last (pass ``None``
-        elsewhere). Gradients are accumulated into this stage's parameters' ``.grad``;
-        step your optimizer afterwards. Returns the mini-batch loss on every rank: the
-        micro-batch losses weighted by micro-batch size, which for a mean-reduced
-        ``loss_fn`` equals ``loss_fn`` on the whole batch.
+        ``input`` is read on the rank that holds stage 0 (``is_first``) and ``target`` on
+        the rank that holds the last stage (``is_last``; under V-shaped schedules both are
+        rank 0); pass ``None`` elsewhere. Gradients are accumulated into this rank's
+        parameters' ``.grad``; step your optimizer afterwards. Returns the mini-batch loss
+        on every rank: the micro-batch losses weighted by micro-batch size, which for a
+        mean-reduced ``loss_fn`` equals ``loss_fn`` on the whole batch.
 
         With ``scaler`` (a ``PipeGradScaler`` of this pipe, on every rank), the backward is
         that of the loss times the scaler's scale, for fp16 mixed precision: follow with
@@ -303,7 +356,7 @@ class DistributedPipe(nn.Module):
         """
         seed = backward_seed(scaler, self)  # a wrong scaler: raised here, the pipe unharmed
         self._transport.begin()
-        call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=True,
+        call = Call(self._stages, self._transport, self._layout, self.placement, grad=True,
                     seed=seed)
         with self._dropping_statistics_on_failure():
             return self._train_step(call, input, target, loss_fn)
@@ -313,8 +366,17 @@ class DistributedPipe(nn.Module):
         try:
             yield
         except BaseException:
-            self._stage.finish_forward(failed=True)
+            for stage in self._stages.values():
+                stage.finish_forward(failed=True)
             raise
+
+    def _trainable(self) -> List[nn.Parameter]:
+        """The trainable parameters of this rank's stages, each once, in model order."""
+        seen: Dict[int, nn.Parameter] = {}
+        for s in self.stages:
+            for param in self._stages[s].parameters():
+                seen.setdefault(id(param), param)
+        return list(seen.values())
 
     def _train_step(self, call: Call, input: Optional[TensorOrTensors], target: Any,
                     loss_fn: LossFn) -> Tensor:
@@ -322,24 +384,26 @@ class DistributedPipe(nn.Module):
         weights: List[float] = []
         with call.guard("start of the step"):
             if self._reducer is not None:
-                self._reducer.follow(self._stage.parameters())  # requires_grad as of now
+                self._reducer.follow(self._trainable())  # requires_grad as of now
             batches, actions = self._open(call, input)
             mode = self.checkpoint if self.training else "never"
             call.checkpoint_stop = checkpoint_stop(mode, len(batches))
             if self.is_last:
                 targets, weights = self._split_target(target, len(batches))
-        last_backward = max(n for n, a in enumerate(actions) if a.phase is Phase.BACKWARD)
-        call.grads = StepGrads(self._stage, actions[last_backward].microbatch)
+        ends = [n for n, a in enumerate(actions) if a.phase in _LAST]
+        for n in ends:  # each stage's last B or W: its gradients are final there
+            call.grads[actions[n].stage] = StepGrads(self._stages[actions[n].stage],
+                                                     actions[n].microbatch)
+        call.split = {(a.stage, a.microbatch) for a in actions
+                      if a.phase is Phase.BACKWARD_INPUT}
         for n, action in enumerate(actions):
-            with call.guard(describe(action)):
-                if action.phase is Phase.FORWARD:
-                    call.forward(action.microbatch, batches, targets, loss_fn, weights)
-                else:
-                    if n == last_backward and self._reducer is not None:
-                        self._reducer.arm()  # gradients final from here: reduce as they land
-                    call.backward(action.microbatch)
+            with call.guard(describe(action), action.stage):
+                if n == ends[-1] and self._reducer is not None:
+                    self._reducer.arm()  # gradients final from here: reduce as they land
+                call.run(action, batches, targets, loss_fn, weights)
         with call.guard("end of the step"):
-            self._stage.finish_forward()
+            for stage in self._stages.values():
+                stage.finish_forward()
             loss = self._close(call, torch.stack(call.losses).sum() if self.is_last else None)
             if self._reducer is not None:
                 self._reducer.finish()
@@ -352,7 +416,8 @@ class DistributedPipe(nn.Module):
 
     def _split_target(self, target: Any, m: int) -> Tuple[List[Any], List[float]]:
         if target is None:
-            raise ValueError("the last stage needs the target; pass it on the last rank")
+            raise ValueError("the last stage needs the target; pass it on the rank that holds "
+                             "it (pipe.is_last)")
         pieces = scatter(target, m)
         if len(pieces) != m:
             raise ValueError(f"the target has {len(pieces)} samples but the input was cut into "
@@ -362,9 +427,10 @@ class DistributedPipe(nn.Module):
 
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
-        """Inference: the output on the last stage, ``None`` on the others."""
+        """Inference: the output on the rank of the last stage (``is_last``), ``None`` on
+        the others."""
         self._transport.begin()
-        call = Call(self._stage, self._transport, self._layout, self.num_stages, grad=False)
+        call = Call(self._stages, self._transport, self._layout, self.placement, grad=False)
         with self._dropping_statistics_on_failure():
             return self._forward(call, input)
 
@@ -373,15 +439,27 @@ class DistributedPipe(nn.Module):
         with call.guard("start of the call"):
             batches, actions = self._open(call, input)
         for action in actions:
-            with call.guard(describe(action)):
-                call.forward(action.microbatch, batches, None, None, [])
+            with call.guard(describe(action), action.stage):
+                call.run(action, batches, None, None, [])
         with call.guard("end of the call"):
-            self._stage.finish_forward()
+            for stage in self._stages.values():
+                stage.finish_forward()
             self._close(call, None)
         return gather(call.outputs) if self.is_last else None
 
     def extra_repr(self) -> str:
-        return (f"stage={self.stage_index}/{self.num_stages}, balance={self.balance}, "
-                f"chunks={self.chunks}, schedule={type(self.schedule).__name__}, "
-                f"checkpoint={self.checkpoint!r}")
+        stages = ", ".join(map(str, self.stages))
+        return (f"rank={self.rank}/{self.num_ranks}, stages=[{stages}] of {self.num_stages}, "
+                f"balance={self.balance}, chunks={self.chunks}, "
+                f"schedule={type(self.schedule).__name__}, checkpoint={self.checkpoint!r}")
 
+
+def _across_ranks(ties: Sequence[Tie], placement: Placement) -> List[Tie]:
+    """The ties whose stages lie on two or more ranks, each naming those ranks in
+    ``stages`` (the copies live per rank: stages on one rank share one tensor)."""
+    out = []
+    for tie in ties:
+        ranks = tuple(sorted({placement.rank_of(s) for s in tie.stages}))
+        if len(ranks) > 1:
+            out.append(replace(tie, stages=ranks))
+    return out

@@ -11,12 +11,17 @@ that list:
   sent something it only sends after the action that needs it), so it can let go of the
   tensor then instead of at the end of the step.
 
-The list mirrors what ``Call`` does: ``STEP`` from stage 0 when a call opens; for each
-forward, the outgoing skips (in layout order) and then the activation; for each backward,
-the input gradient and then the skip gradients (in layout order); and at the close, the
-loss from the last stage and ``DONE`` from the stage that finishes last.
+Messages travel between *ranks*; a rank may hold several stages (interleaved and V-shaped
+schedules, see ``seqpipe.schedule.Placement``), so a message also names the stage whose
+action sends it (``origin``), and what one stage hands another on the same rank never goes
+on the wire. The list mirrors what ``Call`` does: ``STEP`` from the rank of stage 0 when a
+call opens; for each forward ``F(s, i)``, the outgoing skips (in layout order, to the ranks
+of the stages that pop them) and then the activation (to the rank of stage ``s+1``); for
+each ``B(s, i)`` or ``I(s, i)`` (a ``W`` sends nothing), the input gradient (to the rank of
+stage ``s-1``) and then the skip gradients (in layout order); and at the close, the loss
+from the rank of the last stage and ``DONE`` from the rank that finishes last.
 
-The pairs of stages that exchange messages at all (``channels``) are the only ones a
+The pairs of ranks that exchange messages at all (``channels``) are the only ones a
 pipeline ever talks over: it opens their communicators when it is built (NCCL creates one
 per pair on first use, and that blocks until both ends arrive), and a failure is relayed
 along them rather than sent to every stage (see ``Transport.abort``).
@@ -24,10 +29,18 @@ along them rather than sent to every stage (see ``Transport.abort``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from seqpipe.distributed.wire import Kind
-from seqpipe.schedule import Action, Phase, Schedule, forward_phase
+from seqpipe.schedule import (
+    Action,
+    AnySchedule,
+    Phase,
+    Placement,
+    forward_phase,
+    placement_of,
+    rank_orders,
+)
 from seqpipe.skip.layout import SkipLayout
 
 __all__ = ["Planned", "OPENING", "call_actions", "messages", "closer", "channels",
@@ -39,7 +52,8 @@ class Planned:
     """One message of a call: what it is, and when its sender and receiver handle it.
 
     ``sent_at`` and ``taken_at`` index the sender's and the receiver's actions in this call
-    (-1: at the opening, ``len(actions)``: at the close).
+    (-1: at the opening, ``len(actions)``: at the close). ``origin``: the stage whose action
+    sends it (-1 for the messages of the opening and the close).
     """
 
     kind: Kind
@@ -47,79 +61,125 @@ class Planned:
     key: int
     sent_at: int
     taken_at: int
+    origin: int = -1
 
     @property
-    def identity(self) -> Tuple[Kind, int, int]:
-        return (self.kind, self.microbatch, self.key)
+    def identity(self) -> Tuple[Kind, int, int, int]:
+        return (self.kind, self.microbatch, self.key, self.origin)
 
 
-OPENING = Planned(Kind.STEP, -1, -1, -1, -1)  # stage 0 -> every other stage, first of all
+OPENING = Planned(Kind.STEP, -1, -1, -1, -1)  # rank of stage 0 -> every other rank, first
 
 
 def closer(num_stages: int, grad: bool) -> int:
-    """The stage that finishes a call last and releases the others with ``DONE``."""
+    """The stage that finishes a call last; its rank releases the others with ``DONE``."""
     return 0 if grad else num_stages - 1
 
 
-def call_actions(schedule: Schedule, num_stages: int, m: int,
+def call_actions(schedule: AnySchedule, num_ranks: int, m: int,
                  grad: bool) -> List[List[Action]]:
-    """What every stage runs in a call of ``m`` micro-batches (forwards only without grad)."""
-    actions = [list(schedule.actions(s, num_stages, m)) for s in range(num_stages)]
+    """What every rank runs in a call of ``m`` micro-batches (forwards only without grad),
+    each action naming its stage (stage ``r`` on rank ``r`` for a one-stage schedule)."""
+    _, orders = rank_orders(schedule, num_ranks, m)
+    actions = [_staged(order, rank) for rank, order in enumerate(orders)]
     return actions if grad else [forward_phase(a) for a in actions]
 
 
-def _positions(actions: Sequence[Action]) -> Dict[Action, int]:
-    return {action: n for n, action in enumerate(actions)}
+def _staged(actions: Sequence[Action], rank: int) -> List[Action]:
+    """``actions`` of ``rank``, each naming its stage (``rank`` where it names none)."""
+    return [a if a.stage is not None else Action(a.phase, a.microbatch, rank) for a in actions]
+
+
+def _positions(actions: Sequence[Action]) -> Dict[Tuple[Phase, int, Optional[int]], int]:
+    return {(a.phase, a.microbatch, a.stage): n for n, a in enumerate(actions)}
+
+
+def _gradient_taken(at: Dict[Tuple[Phase, int, Optional[int]], int], stage: int, i: int) -> int:
+    """Where the receiver uses a gradient for ``stage``'s micro-batch ``i``: its B or I."""
+    found = at.get((Phase.BACKWARD, i, stage))
+    return found if found is not None else at[(Phase.BACKWARD_INPUT, i, stage)]
 
 
 def messages(src: int, dst: int, actions: Sequence[Sequence[Action]], layout: SkipLayout,
-             grad: bool) -> List[Planned]:
-    """Every message stage ``src`` sends stage ``dst`` in one call, in sending order.
+             grad: bool, placement: Optional[Placement] = None) -> List[Planned]:
+    """Every message rank ``src`` sends rank ``dst`` in one call, in sending order.
 
-    ``actions[s]`` is what stage ``s`` runs in the call (only forwards without ``grad``).
+    ``actions[r]`` is what rank ``r`` runs in the call (only forwards without ``grad``), as
+    ``call_actions`` gives it; ``placement``: which rank holds each stage (default: stage
+    ``r`` on rank ``r``).
     """
-    num_stages = len(actions)
-    if src == dst or num_stages < 2:
+    where = placement if placement is not None else Placement.one_per_rank(len(actions))
+    last = where.num_stages - 1
+    if src == dst or len(actions) < 2:
         return []
-    at = _positions(actions[dst])
+    rank = where.rank_of
+    at = _positions(_staged(actions[dst], dst))
     keys = [skip.key for skip in layout]
-    out = [OPENING] if src == 0 else []
-    for n, action in enumerate(actions[src]):
-        i = action.microbatch
+    out = [OPENING] if src == rank(0) else []
+    for n, action in enumerate(_staged(actions[src], src)):
+        i, s = action.microbatch, action.stage
+        assert s is not None
         if action.phase is Phase.FORWARD:
-            taken = at[Action(Phase.FORWARD, i)]
-            out += [Planned(Kind.SKIP, i, keys.index(skip.key), n, taken)
-                    for skip in layout.skips_stashed_by(src) if skip.pop_partition == dst]
-            if dst == src + 1:
-                out.append(Planned(Kind.ACTIVATION, i, -1, n, taken))
-        else:
-            taken = at[Action(Phase.BACKWARD, i)]
-            if dst == src - 1:
-                out.append(Planned(Kind.GRAD, i, -1, n, taken))
-            out += [Planned(Kind.SKIP_GRAD, i, keys.index(skip.key), n, taken)
-                    for skip in layout.skips_popped_by(src) if skip.stash_partition == dst]
+            out += [Planned(Kind.SKIP, i, keys.index(skip.key), n,
+                            at[(Phase.FORWARD, i, skip.pop_partition)], s)
+                    for skip in layout.skips_stashed_by(s) if rank(skip.pop_partition) == dst]
+            if s < last and rank(s + 1) == dst:
+                out.append(Planned(Kind.ACTIVATION, i, -1, n, at[(Phase.FORWARD, i, s + 1)], s))
+        elif action.sends_gradient:
+            if s > 0 and rank(s - 1) == dst:
+                out.append(Planned(Kind.GRAD, i, -1, n, _gradient_taken(at, s - 1, i), s))
+            out += [Planned(Kind.SKIP_GRAD, i, keys.index(skip.key), n,
+                            _gradient_taken(at, skip.stash_partition, i), s)
+                    for skip in layout.skips_popped_by(s) if rank(skip.stash_partition) == dst]
     sent_at, taken_at = len(actions[src]), len(actions[dst])
-    if grad and src == num_stages - 1:
+    finisher = rank(closer(where.num_stages, grad))
+    if grad and src == rank(last):
         out.append(Planned(Kind.LOSS, -1, -1, sent_at, taken_at))
-    if src == closer(num_stages, grad):
+    elif grad and dst == finisher != src and quiet_tail(_staged(actions[src], src), where,
+                                                        layout):
+        out.append(Planned(Kind.DONE, -1, -1, sent_at, taken_at))  # "done here too"
+    if src == finisher:
         out.append(Planned(Kind.DONE, -1, -1, sent_at, taken_at))
     return out
 
 
-def channels(actions: Sequence[Sequence[Action]], layout: SkipLayout,
-             grad: bool) -> Set[Tuple[int, int]]:
-    """Every ``(sender, receiver)`` pair of stages with a message in one call.
+def _sends(action: Action, src: int, placement: Placement, layout: SkipLayout) -> bool:
+    """Whether ``action`` (of rank ``src``) sends a message to another rank."""
+    s, rank = action.stage, placement.rank_of
+    assert s is not None
+    if action.phase is Phase.FORWARD:
+        return (s < placement.num_stages - 1 and rank(s + 1) != src) or any(
+            rank(skip.pop_partition) != src for skip in layout.skips_stashed_by(s))
+    if action.sends_gradient:
+        return (s > 0 and rank(s - 1) != src) or any(
+            rank(skip.stash_partition) != src for skip in layout.skips_popped_by(s))
+    return False
+
+
+def quiet_tail(actions: Sequence[Action], placement: Placement, layout: SkipLayout) -> bool:
+    """Whether a rank runs actions after its last message to another rank (weight
+    gradients at the end of a zero-bubble schedule): nobody would wait on it there, so
+    it tells the finishing rank it is done, and a failure there still reaches everyone."""
+    src = placement.rank_of(actions[0].stage) if actions else 0  # type: ignore[arg-type]
+    sending = [n for n, a in enumerate(actions) if _sends(a, src, placement, layout)]
+    return not sending or sending[-1] < len(actions) - 1
+
+
+def channels(actions: Sequence[Sequence[Action]], layout: SkipLayout, grad: bool,
+             placement: Optional[Placement] = None) -> Set[Tuple[int, int]]:
+    """Every ``(sender, receiver)`` pair of ranks with a message in one call.
 
     The same for any number of micro-batches: each kind of message is sent for every
     micro-batch or once per call.
     """
     k = len(actions)
     return {(src, dst) for src in range(k) for dst in range(k)
-            if messages(src, dst, actions, layout, grad)}
+            if messages(src, dst, actions, layout, grad, placement)}
 
 
-def pipeline_channels(schedule: Schedule, num_stages: int, chunks: int,
+def pipeline_channels(schedule: AnySchedule, num_ranks: int, chunks: int,
                       layout: SkipLayout) -> Set[Tuple[int, int]]:
     """The pairs of ``channels`` that any call of a pipeline uses, training or not."""
-    return set().union(*(channels(call_actions(schedule, num_stages, chunks, grad), layout, grad)
-                         for grad in (True, False)))
+    placement = placement_of(schedule, num_ranks)
+    return set().union(*(channels(call_actions(schedule, num_ranks, chunks, grad), layout,
+                                  grad, placement) for grad in (True, False)))

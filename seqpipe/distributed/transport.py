@@ -123,7 +123,7 @@ class _Seen:
         return _Seen(spec, spec == self.spec)
 
 
-_Key = Tuple[int, Kind, int, int]  # peer, and the planned message's identity
+_Key = Tuple[int, Kind, int, int, int]  # peer, and the planned message's identity
 
 
 def _last_spec(seen: Dict[_Key, _Seen], peer: int, planned: Optional["Planned"]) -> Spec:
@@ -260,17 +260,18 @@ class Transport:
     # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, *, key: int = -1, count: int = 0,
-             atomic: bool = True) -> None:
-        """Queue a message to ``stage``; returns at once."""
+             atomic: bool = True, origin: int = -1) -> None:
+        """Queue a message to ``stage`` (a rank; ``origin``: the pipeline stage whose action
+        sends it); returns at once."""
         flags = flags if flags is not None else [False] * len(tensors)
-        planned = self._next_out(stage, (kind, microbatch, key))  # taken off once sent
+        planned = self._next_out(stage, (kind, microbatch, key, origin))  # taken off once sent
         expected = self._expected_by(stage, planned)
         payload = [t for t in tensors if t is not None]
         actual = spec_of(payload)
         reshaped = actual != expected
         taken_at = planned.taken_at if planned else sys.maxsize
         header = encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
-                        pin=self._pin)
+                        pin=self._pin, origin=origin)
         if not reshaped:
             self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device),
                         stage, taken_at)
@@ -283,7 +284,7 @@ class Transport:
             _saw(self._seen_out, stage, planned, actual)
             self._outgoing[stage].popleft()
 
-    def _next_out(self, dst: int, identity: Tuple[Kind, int, int]) -> Optional["Planned"]:
+    def _next_out(self, dst: int, identity: Tuple[Kind, int, int, int]) -> Optional["Planned"]:
         """The planned message this send is; it stays first in line until it went out, so
         that a failure before then (say, a dtype the wire cannot carry) tells ``dst`` in a
         buffer of the size ``dst`` posted for it."""
@@ -302,13 +303,14 @@ class Transport:
             self._post(stage)
         posted = self._posted.pop(stage)
         header = self._arrival(posted)
-        kind, microbatch, key, count, atomic, reshaped, specs = decode(header)
+        kind, microbatch, key, count, atomic, reshaped, origin, specs = decode(header)
         if kind is Kind.ABORT:
             raise PeerError(decode_text(header), peer=stage)
         planned = posted.planned
-        if planned is not None and planned.identity != (kind, microbatch, key):
-            raise RuntimeError(f"internal error: stage {stage} sent {(kind, microbatch, key)} "
-                               f"where the plan says {planned.identity}")
+        if planned is not None and planned.identity != (kind, microbatch, key, origin):
+            raise RuntimeError(f"internal error: stage {stage} sent "
+                               f"{(kind, microbatch, key, origin)} where the plan says "
+                               f"{planned.identity}")
         spec: Spec = tuple((s[0], s[2]) for s in specs if s is not None)
         if not reshaped:
             if spec != posted.spec:
@@ -327,7 +329,7 @@ class Transport:
             self._post(stage)
         tensors = tuple(None if s is None else payload.pop(0) for s in specs)
         flags = tuple(bool(s and s[1]) for s in specs)
-        return Message(kind, microbatch, key, tensors, flags, count, atomic)
+        return Message(kind, microbatch, key, tensors, flags, count, atomic, origin)
 
     def _arrival(self, posted: _Posted) -> List[int]:
         """Wait for a posted receive; its header, read on the host.

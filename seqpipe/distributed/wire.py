@@ -1,8 +1,9 @@
 """The wire format of a pipeline message: one byte buffer, a header and then the tensors.
 
 Only tensors travel. The header (``HEADER_SLOTS`` int64 words) names the message kind, the
-micro-batch, the skip (by its index in the skip layout, the same on every rank), whether
-the payload had another shape than the receiver expected ("reshaped"), and each tensor's
+micro-batch, the stage whose action sends it (a rank may hold several stages), the skip
+(by its index in the skip layout, the same on every rank), whether the payload had
+another shape than the receiver expected ("reshaped"), and each tensor's
 dtype, shape and whether it wants a gradient; a failure notice carries its text in the
 header instead. The tensors follow in the same buffer, each at an offset aligned for any
 dtype, so a receiver takes them out as views, without copying. One buffer per message
@@ -27,7 +28,7 @@ HEADER_SLOTS = 256
 HEADER_BYTES = HEADER_SLOTS * 8
 _ALIGN = 16  # payload offsets: a multiple of every dtype's size, so views need no copy
 _MAGIC = 0x5E9419E
-_FIXED = 8  # magic, kind, micro-batch, key, count, atomic, reshaped, number of tensors
+_FIXED = 9  # magic, kind, micro-batch, key, count, atomic, reshaped, origin, number of tensors
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128]
@@ -58,6 +59,7 @@ class Message:
     flags: Tuple[bool, ...]
     count: int = 0  # micro-batches in the call (STEP messages)
     atomic: bool = True  # a single tensor rather than a tuple (activations)
+    origin: int = -1  # the stage whose action sent it (-1: the call's opening and close)
 
 
 def spec_of(tensors: Iterable[Optional[Tensor]]) -> Spec:
@@ -100,9 +102,10 @@ def unpack(buffer: Tensor, offset: int, spec: Spec) -> List[Tensor]:
 
 def encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, reshaped: bool,
            tensors: Sequence[Optional[Tensor]], flags: Sequence[bool], *,
-           pin: bool = False) -> Tensor:
+           pin: bool = False, origin: int = -1) -> Tensor:
     """The header of a message, on the host (in pinned memory with ``pin``)."""
-    words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), int(reshaped), len(tensors)]
+    words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), int(reshaped), origin,
+             len(tensors)]
     for tensor, flag in zip(tensors, flags):
         if tensor is None:
             words += [0]
@@ -128,7 +131,7 @@ def encode_text(kind: Kind, text: str, *, pin: bool = False) -> Tensor:
     room = (HEADER_SLOTS - _FIXED - 1) * 8
     data = text.encode("utf-8")[:room]
     data += b"\0" * (-len(data) % 8)
-    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, 0, len(data)]
+    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, -1, 0, len(data)]
     words += [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
     return _header(words, pin)
 
@@ -138,11 +141,12 @@ def decode_text(header: List[int]) -> str:
     return data[:header[_FIXED]].rstrip(b"\0").decode("utf-8", "replace")
 
 
-def decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, bool, List[Optional[Tuple]]]:
+def decode(header: List[int]
+           ) -> Tuple[Kind, int, int, int, bool, bool, int, List[Optional[Tuple]]]:
     if header[0] != _MAGIC:
         raise RuntimeError("received a corrupt pipeline header: the stages disagree about "
                            "the message order (are all ranks running the same schedule?)")
-    kind, microbatch, key, count, atomic, reshaped, n = header[1:_FIXED]
+    kind, microbatch, key, count, atomic, reshaped, origin, n = header[1:_FIXED]
     specs: List[Optional[Tuple]] = []
     pos = _FIXED
     for _ in range(n):
@@ -153,4 +157,4 @@ def decode(header: List[int]) -> Tuple[Kind, int, int, int, bool, bool, List[Opt
         dtype, flag, ndim = _DTYPES[header[pos + 1]], bool(header[pos + 2]), header[pos + 3]
         specs.append((dtype, flag, tuple(header[pos + 4:pos + 4 + ndim])))
         pos += 4 + ndim
-    return Kind(kind), microbatch, key, count, bool(atomic), bool(reshaped), specs
+    return Kind(kind), microbatch, key, count, bool(atomic), bool(reshaped), origin, specs

@@ -96,11 +96,14 @@ class StageSkipTracker(SkipTracker):
         self.crossing = crossing
         self.received = received
         self.outgoing: Dict[SkipKey, Optional[Tensor]] = {}
+        # A split backward's recomputation (seqpipe.stage) replaces the first run's graph:
+        # it keeps its outgoing stashes, whose gradients flow through the new graph.
+        self.replaying = False
 
     def stash(self, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if not self.crossing((ns, name)):
             super().stash(ns, name, tensor)
-        elif not is_recomputing():
+        elif not is_recomputing() or self.replaying:
             self.outgoing[(ns, name)] = tensor
 
     def pop(self, ns: Namespace, name: str) -> Optional[Tensor]:
