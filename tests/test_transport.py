@@ -591,6 +591,7 @@ def _varying_length(rank: int, world: int) -> None:
     pipe, ref = built(7, chunks=4, balance=[2, 3], schedule="1f1b")
     transport = pipe._transport
     loss_bytes = wire.nbytes(((DTYPE, ()),))
+    step_bytes = wire.nbytes(((torch.int64, (2,)),))
     # every step a new sequence length (never the same twice in a row), then one held
     lengths = [5, 9, 3, 12, 7, 4, 10, 6, 6, 6]
     gen = torch.Generator().manual_seed(8)
@@ -603,8 +604,9 @@ def _varying_length(rank: int, world: int) -> None:
             matched_step(pipe, ref, rank, world, x, y, failures, f"step {n} (length {t})")
             sent = transport.sent_bytes - before
             # one buffer per message, header and payload: what no scheme can go below
-            least = (2 * HEADER_BYTES if rank == 0 else HEADER_BYTES + loss_bytes) \
-                + 4 * (HEADER_BYTES + _boundary(t))
+            # (stage 0's opening message carries the call's kind: two int64)
+            least = (2 * HEADER_BYTES + step_bytes if rank == 0
+                     else HEADER_BYTES + loss_bytes) + 4 * (HEADER_BYTES + _boundary(t))
             # Step 1 posts header-only receives (nothing seen yet): header, then payload,
             # no byte more. Step 2 meets receives posted at step 1's size, trusted since
             # seen: each activation (gradient) fills one with a placeholder, then the

@@ -32,7 +32,7 @@ from seqpipe.distributed.plan import (
 )
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
-from seqpipe.distributed.transport import Kind, Transport
+from seqpipe.distributed.transport import Kind, Message, Transport
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from seqpipe.partition import check_balance, verify_module
 from seqpipe.pipe import check_chunks
@@ -66,6 +66,33 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_CALLS = {(1, 1): "train_step with a scaler", (1, 0): "train_step", (0, 0): "forward"}
+
+
+def _call_kind(call: Call, device: torch.device) -> Tensor:
+    """What a rank was asked to do: ``[train_step?, with a scaler?]``. The rank of stage 0
+    sends its own with the opening message; every other rank checks it against its own."""
+    return torch.tensor([int(call.grad), int(call.seed is not None)], dtype=torch.int64,
+                        device=device)
+
+
+def _opened(opening: Message) -> Tensor:
+    """The call the rank of stage 0 opened (``[0, 0]``, a forward, if it did not say)."""
+    return opening.tensors[0] if opening.tensors and opening.tensors[0] is not None else \
+        torch.zeros(2, dtype=torch.int64)
+
+
+def _check_same_call(first: Tensor, mine: Tensor) -> None:
+    """Raise ``ValueError`` if the rank of stage 0 made another call than this rank: their
+    plans would differ, and both would wait for messages that never come."""
+    theirs, ours = tuple(first.tolist()), tuple(mine.tolist())
+    if theirs != ours:
+        raise ValueError(
+            f"the rank of stage 0 called {_CALLS.get(theirs, theirs)} but this rank called "
+            f"{_CALLS.get(ours, ours)}; every rank must make the same call (train_step or "
+            f"forward, with a scaler on every rank or on none) each time")
 
 
 def _fingerprint(module: nn.Sequential, config: Tuple[Any, ...]) -> int:
@@ -295,9 +322,13 @@ class DistributedPipe(nn.Module):
                 raise ValueError("the input batch is empty (size 0 on dim 0)")
         else:
             transport.expect(opener, [OPENING])
-            count = call.need(opener, Kind.STEP).count
-            batches = [Batch((), True)] * count  # placeholders: only their number matters
-        plan = self._plan(len(batches), call.grad)
+            opening = call.need(opener, Kind.STEP)
+            batches = [Batch((), True)] * opening.count  # placeholders: only their number
+        kind = _call_kind(call, self.device)
+        theirs = kind if self.is_first else _opened(opening)
+        # On a mismatch, the plan of the call the others follow, so that the failure
+        # reaches the ranks that wait for this one.
+        plan = self._plan(len(batches), bool(theirs[0]))
         call.microbatches = len(batches)
         for r, planned in plan.incoming.items():
             transport.expect(r, planned[1:] if r == opener else planned)  # STEP: taken above
@@ -305,7 +336,8 @@ class DistributedPipe(nn.Module):
             transport.will_send(r, planned[1:] if self.is_first else planned)  # STEP: above
         if self.is_first:
             for r in others:
-                call.send(r, Kind.STEP, -1, [], count=len(batches))
+                call.send(r, Kind.STEP, -1, [kind], count=len(batches))
+        _check_same_call(theirs, kind)
         return batches, plan.actions
 
     def _close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:

@@ -1,0 +1,67 @@
+"""Ranks that make different calls (train_step on one, forward on another; a scaler on some
+only) fail on every rank within seconds, naming the mismatch, instead of waiting out the
+process group's timeout."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed_harness import run_workers
+from seqpipe.distributed import DistributedPipe, PeerError, PipeGradScaler
+
+Call = Callable[[DistributedPipe, int, int], object]
+
+
+def _train(pipe: DistributedPipe, rank: int, world: int) -> object:
+    x = torch.randn(8, 4) if rank == 0 else None
+    y = torch.randn(8, 4) if rank == world - 1 else None
+    return pipe.train_step(x, y, nn.functional.mse_loss)
+
+
+def _forward(pipe: DistributedPipe, rank: int, world: int) -> object:
+    return pipe(torch.randn(8, 4) if rank == 0 else None)
+
+
+def _scaled(pipe: DistributedPipe, rank: int, world: int) -> object:
+    x = torch.randn(8, 4) if rank == 0 else None
+    y = torch.randn(8, 4) if rank == world - 1 else None
+    return pipe.train_step(x, y, nn.functional.mse_loss, scaler=pipe.scaler_for_test)
+
+
+def _pipe(world: int) -> DistributedPipe:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
+    return DistributedPipe(model, chunks=2, group=dist.new_group(list(range(world))))
+
+
+def _mismatches(rank: int, world: int) -> None:
+    stage0 = "the rank of stage 0 called"
+    cases = [((_train, _forward), f"{stage0} train_step but this rank called forward"),
+             ((_forward, _train), f"{stage0} forward but this rank called train_step"),
+             ((_scaled, _train), f"{stage0} train_step with a scaler but this rank called "
+                                 f"train_step;")]
+    for (first, others), message in cases:
+        pipe = _pipe(world)
+        pipe.scaler_for_test = PipeGradScaler(pipe)  # type: ignore[attr-defined]
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:
+            (first if rank == 0 else others)(pipe, rank, world)
+        assert time.monotonic() - started < 20, "took the timeout, not seconds"
+        if rank == 0:
+            assert isinstance(info.value, PeerError), repr(info.value)
+        else:
+            assert isinstance(info.value, (ValueError, PeerError)), repr(info.value)
+        assert message in str(info.value), (rank, str(info.value))
+    pipe = _pipe(world)  # the same calls everywhere still work, on a fresh group
+    _train(pipe, rank, world)
+    _forward(pipe, rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_different_calls_on_different_ranks_fail_fast_everywhere(world: int) -> None:
+    run_workers(_mismatches, world, timeout=150, pg_timeout=60)
