@@ -150,4 +150,13 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
     for thread in threads:
         thread.join()
     if errors:
-        raise errors[0]
+        # Raise the first error with no list or local of ours left holding it: its traceback
+        # holds the frames of ``work``, whose closure holds ``errors``, and a cycle through
+        # it would keep the failed call's tensors and autograd graph until a garbage
+        # collection (or the interpreter's teardown).
+        error = errors[0]
+        errors.clear()
+        try:
+            raise error
+        finally:
+            del error
