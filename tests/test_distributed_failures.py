@@ -99,6 +99,7 @@ def test_exception_in_one_stage_raises_on_every_rank() -> None:
 
 def _killed(rank: int, world: int) -> None:
     pipe = _pipe(nn.Linear(4, 4), "1f1b")
+    dist.barrier()  # every rank has connected its pipeline's groups before one dies
     if rank == 1:
         os._exit(0)  # dies without a word, like a SIGKILLed process
     started = time.monotonic()
