@@ -7,14 +7,16 @@ whose autograd work belongs to the engine's device threads). An action runs once
 inputs are in the mailbox. If any action raises, the mailbox is marked failed, every
 other worker stops at its next wait, all threads are joined, and the original exception
 is raised on the caller with its own traceback, plus a note naming the stage and action.
-Threads live for one phase only, so none is left running after a call returns or raises.
+A Ctrl-C on the caller stops and joins the workers the same way. Threads live for one
+phase only, so none is left running after a call returns or raises (one still inside
+PyTorch when the interpreter shuts down would abort the process).
 """
 from __future__ import annotations
 
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -106,6 +108,24 @@ def _drive(programs: List[Program], mailbox: Mailbox) -> None:
         positions[k] += 1
 
 
+def _join(workers: List[Tuple[threading.Thread, threading.Event]], mailbox: Mailbox) -> None:
+    """Wait for the workers; on Ctrl-C, stop them (at their next wait), wait, re-raise.
+
+    Waits on each worker's ``done`` event first: an interrupted ``Thread.join`` can mark a
+    running thread stopped (Python 3.11), after which ``join`` returns at once.
+    """
+    try:
+        for _, done in workers:
+            done.wait()
+    except BaseException:
+        mailbox.fail()
+        for _, done in workers:
+            done.wait()
+        raise
+    for thread, _ in workers:
+        thread.join()
+
+
 def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
                state: Optional[ThreadState] = None) -> None:
     """Run each group of programs on its own thread (the first on the caller's).
@@ -127,16 +147,34 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
             errors.append(exc)
             mailbox.fail()
 
-    threads = [threading.Thread(target=work, args=(g, True), daemon=True,
-                                name=f"seqpipe-stage-{g[0].stage}") for g in groups[1:] if g]
+    def run(group: List[Program], done: threading.Event) -> None:
+        try:
+            work(group, True)
+        finally:
+            done.set()
+
+    workers = []
+    for group in groups[1:]:
+        if group:
+            done = threading.Event()
+            workers.append((threading.Thread(target=run, args=(group, done), daemon=True,
+                                             name=f"seqpipe-stage-{group[0].stage}"), done))
     with ExitStack() as caller:
         if state is not None:
             state.share_threads(caller)
-        for thread in threads:
+        for thread, _ in workers:
             thread.start()
         if groups and groups[0]:
             work(groups[0], False)
-        for thread in threads:
-            thread.join()
+        _join(workers, mailbox)
     if errors:
-        raise errors[0]
+        # Raise the first error with no list or local of ours left holding it: its traceback
+        # holds the frames of ``work``, whose closure holds ``errors``, and a cycle through
+        # it would keep the failed call's tensors and autograd graph until a garbage
+        # collection (or the interpreter's teardown).
+        error = errors[0]
+        errors.clear()
+        try:
+            raise error
+        finally:
+            del error

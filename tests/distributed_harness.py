@@ -3,7 +3,11 @@
 Each worker initialises a gloo process group over ``127.0.0.1`` with a short collective
 timeout and one intra-op thread (the rendezvous goes through a file, so no port has to be
 picked in advance, where another process could take it first), runs
-``fn(rank, world_size, *args)``, and tears the group down. The parent waits at most
+``fn(rank, world_size, *args)``, tears the group down and ends normally, through the
+interpreter's teardown, as a user's script does (and checks that the default group did not
+outlive ``destroy_process_group()``, which can make that teardown abort). A worker that
+must end without the collective teardown (its peer was killed) says so itself, with
+``os._exit``. The parent waits at most
 ``timeout`` seconds; a hang kills every worker and fails the test instead of stalling CI.
 A worker's exception fails the test with the worker's traceback.
 """
@@ -13,9 +17,9 @@ import datetime
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -41,16 +45,19 @@ def _entry(rank: int, world_size: int, store: str, pg_timeout: float, backend: s
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
+    default = weakref.ref(dist.group.WORLD)
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-    # The worker passed. Leave without the interpreter's teardown: gloo's C++ objects were
-    # seen, rarely, to abort there ("terminate called without an active exception") after
-    # every check had passed, which would fail the test for a reason that is not its own.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The worker passed and ends as a user's script does: through the interpreter's
+    # teardown. The default group must be gone by now (its gloo worker threads joined):
+    # one that outlives destroy_process_group() reaches the teardown, where a worker
+    # thread still letting go of a collective's tensors aborts the process.
+    if default() is not None:
+        raise AssertionError("the default process group outlived destroy_process_group(): "
+                             "something still refers to it (see 'Ending a script' in "
+                             "docs/distributed.md)")
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,

@@ -9,8 +9,9 @@ it, and for every pipeline of a mesh at once, in ``mesh_groups``.
 """
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["mesh_groups", "reverse_group"]
 
-_REVERSE: Dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+# Weak keys: a group's second group lives as long as the group, not longer. A strong key
+# would keep the default group (and its gloo worker threads) alive past the user's
+# destroy_process_group(); see "Ending a script" in docs/distributed.md.
+_REVERSE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = (
+    weakref.WeakKeyDictionary())
 
 
 def mesh_groups(mesh: DeviceMesh, pipeline_dim: str = "pp",
