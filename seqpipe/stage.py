@@ -277,22 +277,18 @@ class Stage:
         reducer's). A parameter that reached autograd without its alias (through a custom
         ``autograd.Function.apply``) still gets its gradient, in ``.grad``.
         """
-        pairs: List[Tuple[GradientEdge, Tensor]] = [
-            (r, g) for r, g in zip(state.roots, grad_outputs) if r is not None and g is not None]
-        for key, grad in skip_grads.items():
-            root = state.skip_roots.get(key)
-            if root is not None and grad is not None:
-                pairs.append((root, grad))
-        wrt: List[Tensor] = [state.phony] if state.phony is not None else []
-        # The real parameters too: one may reach autograd without passing through a torch
-        # function (a custom autograd.Function.apply), where no alias stands in for it.
-        if sink is not None:
-            wrt += sink.leaves(self.index)
-        wrt += self.parameters()
-        if pairs and wrt:
-            roots, grads = zip(*pairs)
-            torch.autograd.backward(list(roots), list(grads), inputs=_targets(wrt))
+        roots, grads = self._pairs(state, grad_outputs, skip_grads)
+        wrt = ([state.phony] if state.phony is not None else []) + self._weights(sink)
+        if roots and wrt:
+            torch.autograd.backward(roots, grads, inputs=_targets(wrt))
         return self._received_grads(state)
+
+    def _weights(self, sink: Optional[GradSink]) -> List[Tensor]:
+        """What the parameters' gradients accumulate into: ``sink``'s aliases, and the real
+        parameters too, since one may reach autograd without passing through a torch
+        function (a custom ``autograd.Function.apply``), where no alias stands in for it."""
+        leaves = list(sink.leaves(self.index)) if sink is not None else []
+        return leaves + self.parameters()
 
     def backward_input(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
                        skip_grads: Dict[SkipKey, Optional[Tensor]]) -> Grads:
@@ -318,10 +314,8 @@ class Stage:
         """The second half of a split backward (``W``): the parameters' gradients, into
         ``sink`` or ``.grad`` as ``backward`` would; frees the micro-batch's graph."""
         assert state.split is not None, "backward_weight before backward_input"
-        wrt: List[Tensor] = list(sink.leaves(self.index)) if sink is not None else []
-        wrt += self.parameters()
         split, state.split = state.split, None
-        split.weight(wrt)
+        split.weight(self._weights(sink))
 
     @staticmethod
     def _pairs(state: TaskState, grad_outputs: Sequence[Optional[Tensor]],

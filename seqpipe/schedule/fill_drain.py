@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from seqpipe.schedule.action import Action, backward, forward
-from seqpipe.schedule.args import check_rank_args, check_stage_args, check_stages_per_rank
-from seqpipe.schedule.placement import Placement
+from seqpipe.schedule.args import check_rank_args, check_stage_args
+from seqpipe.schedule.placement import Looped
 
 __all__ = ["FillDrain", "LoopedBFS"]
 
@@ -33,7 +33,7 @@ class FillDrain:
 
 
 @dataclass(frozen=True)
-class LoopedBFS:
+class LoopedBFS(Looped):
     """Breadth-first looping: stage ``s`` on rank ``s mod K``, each stage's micro-batches in a row.
 
     Rank ``r`` runs ``F`` of all ``M`` micro-batches on stage ``r``, then on stage ``r + K``,
@@ -42,15 +42,7 @@ class LoopedBFS:
     ``(K-1) / (V*M + K-1)``.
     """
 
-    stages_per_rank: int = 2
     name: ClassVar[str] = "looped_bfs"
-
-    def __post_init__(self) -> None:
-        check_stages_per_rank(self.stages_per_rank, self.name)
-
-    def placement(self, num_ranks: int) -> Placement:
-        """Stage ``s`` on rank ``s mod K``."""
-        return Placement.looped(num_ranks, self.stages_per_rank)
 
     def rank_actions(self, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
         """All forwards stage by stage, then all backwards in mirror order."""

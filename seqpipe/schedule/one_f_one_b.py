@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from seqpipe.schedule.action import Action, backward, backward_input, backward_weight, forward
-from seqpipe.schedule.args import check_rank_args, check_stage_args, check_stages_per_rank
-from seqpipe.schedule.placement import Placement
+from seqpipe.schedule.args import check_rank_args, check_stage_args
+from seqpipe.schedule.placement import Looped
 from seqpipe.schedule.protocol import ScheduleError
 
 __all__ = ["Interleaved1F1B", "OneFOneB", "looped_one_f_one_b", "round_size"]
@@ -109,7 +109,7 @@ def looped_one_f_one_b(rank: int, num_ranks: int, stages_per_rank: int,
 
 
 @dataclass(frozen=True)
-class Interleaved1F1B:
+class Interleaved1F1B(Looped):
     """Interleaved 1F1B (Narayanan et al. 2021): ``V`` stages per rank, stage ``s`` on ``s mod K``.
 
     Rank ``r`` warms up with ``(V-1)·R + 2(K-1-r)`` forwards (``R`` micro-batches per round,
@@ -117,15 +117,7 @@ class Interleaved1F1B:
     ``(K-1) / (V·M + K-1)`` for the price of ``V`` times more messages.
     """
 
-    stages_per_rank: int = 2
     name: ClassVar[str] = "interleaved_1f1b"
-
-    def __post_init__(self) -> None:
-        check_stages_per_rank(self.stages_per_rank, self.name)
-
-    def placement(self, num_ranks: int) -> Placement:
-        """Stage ``s`` on rank ``s mod K``."""
-        return Placement.looped(num_ranks, self.stages_per_rank)
 
     def rank_actions(self, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
         """Depth-first warm-up, steady ``F, B`` pairs, cool-down backwards."""

@@ -8,8 +8,11 @@ stages ``r`` and ``2K-1-r``, so the first and last stage share rank 0).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-__all__ = ["Placement"]
+from seqpipe.schedule.args import check_stages_per_rank
+
+__all__ = ["Placement", "Looped"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,19 @@ class Placement:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages ``rank`` holds, in increasing order."""
         return tuple(s for s, r in enumerate(self.ranks) if r == rank)
+
+
+@dataclass(frozen=True)
+class Looped:
+    """Base of the schedules that loop ``stages_per_rank`` stages over the ranks (stage
+    ``s`` on rank ``s mod K``): the argument, its check and the placement."""
+
+    stages_per_rank: int = 2
+    name: ClassVar[str] = "looped"
+
+    def __post_init__(self) -> None:
+        check_stages_per_rank(self.stages_per_rank, self.name)
+
+    def placement(self, num_ranks: int) -> Placement:
+        """Stage ``s`` on rank ``s mod K``."""
+        return Placement.looped(num_ranks, self.stages_per_rank)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from seqpipe.schedule.action import Action, backward_input, backward_weight, forward
-from seqpipe.schedule.args import check_rank_args, check_stage_args, check_stages_per_rank
+from seqpipe.schedule.args import check_rank_args, check_stage_args
 from seqpipe.schedule.one_f_one_b import looped_one_f_one_b, round_size
-from seqpipe.schedule.placement import Placement
+from seqpipe.schedule.placement import Looped, Placement
 
 __all__ = ["InterleavedZeroBubble", "ZeroBubbleH1", "ZeroBubbleH2", "ZeroBubbleV"]
 
@@ -74,22 +74,14 @@ class ZeroBubbleH2:
 
 
 @dataclass(frozen=True)
-class InterleavedZeroBubble:
+class InterleavedZeroBubble(Looped):
     """ZB1P: interleaved 1F1B with split backward, stage ``s`` on rank ``s mod K``.
 
     Rank ``r`` warms up with ``(V-1)·R + K-1-r`` forwards and defers its first ``r``
     weight gradients.
     """
 
-    stages_per_rank: int = 2
     name: ClassVar[str] = "interleaved_zb"
-
-    def __post_init__(self) -> None:
-        check_stages_per_rank(self.stages_per_rank, self.name)
-
-    def placement(self, num_ranks: int) -> Placement:
-        """Stage ``s`` on rank ``s mod K``."""
-        return Placement.looped(num_ranks, self.stages_per_rank)
 
     def rank_actions(self, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
         """The interleaved walk with ``I`` for ``B`` and ``W`` deferred by ``rank`` steps."""
