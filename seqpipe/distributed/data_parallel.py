@@ -25,7 +25,8 @@ call, while a 1F1B stage interleaves the forwards and backwards of many micro-ba
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Set, Tuple
+import weakref
+from typing import Callable, Dict, List, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ class GradientReducer:
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         for param in self.params:
             if id(param) not in self._hooked:
-                param.register_post_accumulate_grad_hook(self._on_grad)
+                param.register_post_accumulate_grad_hook(_weak_hook(self))
                 self._hooked.add(id(param))
 
     def arm(self) -> None:
@@ -158,6 +159,20 @@ def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:
     buffers = [b for b in module.buffers() if not b.is_meta]
     if buffers:
         dist._broadcast_coalesced(group, buffers, DEFAULT_BUCKET_BYTES, 0)
+
+
+def _weak_hook(reducer: "GradientReducer") -> Callable[[Tensor], None]:
+    """``reducer._on_grad`` through a weak reference: a hook holding the reducer itself
+    would make the parameters and the reducer (and its process group) a reference cycle,
+    which outlives the pipe until a garbage collection, and can keep the default group
+    past ``destroy_process_group()`` (see "Ending a script" in docs/distributed.md)."""
+    ref = weakref.ref(reducer)
+
+    def hook(param: Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad(param)
+    return hook
 
 
 def check_data_parallel_group(stage: int, fingerprint: int, group: dist.ProcessGroup,
