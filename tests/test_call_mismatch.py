@@ -3,6 +3,7 @@ only) fail on every rank within seconds, naming the mismatch, instead of waiting
 process group's timeout."""
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable
 
@@ -60,6 +61,14 @@ def _mismatches(rank: int, world: int) -> None:
     pipe = _pipe(world)  # the same calls everywhere still work, on a fresh group
     _train(pipe, rank, world)
     _forward(pipe, rank, world)
+    # A rank that built another model is caught at construction, on every rank.
+    model = nn.Sequential(*[nn.Linear(4, 4 if rank == 0 or n else 5) for n in range(world)])
+    odd = list(range(1, world))
+    with pytest.raises(ValueError, match=rf"stages {re.escape(str(odd))} built a different "
+                                         rf"model or pipeline "
+                                         rf"settings than stage 0 \(layers, .*every rank must "
+                                         rf"construct DistributedPipe from the same model"):
+        DistributedPipe(model, chunks=2, group=dist.new_group(list(range(world))))
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import warnings
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -14,6 +13,12 @@ from torch import Tensor, nn
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.distributed.accumulate import StepGrads
+from seqpipe.distributed.agreement import (
+    call_kind,
+    check_same_call,
+    check_same_model,
+    opened,
+)
 from seqpipe.distributed.data_parallel import (
     GradientReducer,
     broadcast_buffers,
@@ -32,7 +37,7 @@ from seqpipe.distributed.plan import (
 )
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
-from seqpipe.distributed.transport import Kind, Message, Transport
+from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from seqpipe.partition import check_balance, verify_module
 from seqpipe.pipe import check_chunks
@@ -66,43 +71,6 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-_CALLS = {(1, 1): "train_step with a scaler", (1, 0): "train_step", (0, 0): "forward"}
-
-
-def _call_kind(call: Call, device: torch.device) -> Tensor:
-    """What a rank was asked to do: ``[train_step?, with a scaler?]``. The rank of stage 0
-    sends its own with the opening message; every other rank checks it against its own."""
-    return torch.tensor([int(call.grad), int(call.seed is not None)], dtype=torch.int64,
-                        device=device)
-
-
-def _opened(opening: Message) -> Tensor:
-    """The call the rank of stage 0 opened (``[0, 0]``, a forward, if it did not say)."""
-    return opening.tensors[0] if opening.tensors and opening.tensors[0] is not None else \
-        torch.zeros(2, dtype=torch.int64)
-
-
-def _check_same_call(first: Tensor, mine: Tensor) -> None:
-    """Raise ``ValueError`` if the rank of stage 0 made another call than this rank: their
-    plans would differ, and both would wait for messages that never come."""
-    theirs, ours = tuple(first.tolist()), tuple(mine.tolist())
-    if theirs != ours:
-        raise ValueError(
-            f"the rank of stage 0 called {_CALLS.get(theirs, theirs)} but this rank called "
-            f"{_CALLS.get(ours, ours)}; every rank must make the same call (train_step or "
-            f"forward, with a scaler on every rank or on none) each time")
-
-
-def _fingerprint(module: nn.Sequential, config: Tuple[Any, ...]) -> int:
-    """A checksum of the model's structure and the pipeline's settings, equal on every rank."""
-    parts = [repr(config)]
-    for name, layer in module.named_children():
-        shapes = [(n, tuple(t.shape), str(t.dtype))
-                  for n, t in (*layer.named_parameters(), *layer.named_buffers())]
-        parts.append(f"{name}:{type(layer).__qualname__}:{shapes}")
-    return zlib.crc32("\n".join(parts).encode()) & 0x7FFFFFFF
 
 
 class DistributedPipe(nn.Module):
@@ -260,20 +228,8 @@ class DistributedPipe(nn.Module):
         config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
                   self.placement.ranks, self.broadcast_buffers, [tie.names for tie in self.ties],
                   self.base_seed)
-        mine = torch.tensor([_fingerprint(module, config)], dtype=torch.int64,
-                            device=self.device)
-        everyone = [torch.zeros_like(mine) for _ in range(self.num_ranks)]
-        dist.all_gather(everyone, mine, group=self.group)
-        values = [int(t.item()) for t in everyone]
-        odd = [s for s, v in enumerate(values) if v != values[0]]
-        if odd:
-            raise ValueError(
-                f"stages {odd} built a different model or pipeline settings than stage 0 "
-                if self.num_ranks == self.num_stages else
-                f"ranks {odd} built a different model or pipeline settings than rank 0 "
-                f"(layers, parameter shapes, balance, chunks, checkpoint or schedule differ); "
-                f"every rank must construct DistributedPipe from the same model and arguments")
-        return values[0]
+        return check_same_model(module, config, self.group, self.device,
+                                "stages" if self.num_ranks == self.num_stages else "ranks")
 
     # -- running -----------------------------------------------------------------------
     @property
@@ -324,8 +280,8 @@ class DistributedPipe(nn.Module):
             transport.expect(opener, [OPENING])
             opening = call.need(opener, Kind.STEP)
             batches = [Batch((), True)] * opening.count  # placeholders: only their number
-        kind = _call_kind(call, self.device)
-        theirs = kind if self.is_first else _opened(opening)
+        kind = call_kind(call.grad, call.seed is not None, self.device)
+        theirs = kind if self.is_first else opened(opening)
         # On a mismatch, the plan of the call the others follow, so that the failure
         # reaches the ranks that wait for this one.
         plan = self._plan(len(batches), bool(theirs[0]))
@@ -337,7 +293,7 @@ class DistributedPipe(nn.Module):
         if self.is_first:
             for r in others:
                 call.send(r, Kind.STEP, -1, [kind], count=len(batches))
-        _check_same_call(theirs, kind)
+        check_same_call(theirs, kind)
         return batches, plan.actions
 
     def _close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
