@@ -28,9 +28,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import has_torch_function
 
-__all__ = ["SplitBackward"]
+__all__ = ["SplitBackward", "autograd_inputs"]
 
 Node = Any  # torch.autograd.graph.Node
 
@@ -70,6 +71,18 @@ def _leaves_under(edges: Sequence[GradientEdge]) -> List[Tensor]:
         stack.extend(c for c, _ in node.next_functions if c is not None)
     return leaves
 
+
+def autograd_inputs(tensors: List[Tensor]) -> List[Any]:
+    """What to pass as ``inputs=`` to backpropagate into ``tensors``.
+
+    The tensors themselves, unless one has its own ``__torch_function__`` (a parameter
+    subclass): ``autograd.backward`` would then run the whole backward, a checkpoint's
+    recomputation included, inside that override, with subclass overrides disabled, so
+    the recomputation would compute something else. Their gradient edges avoid that.
+    """
+    if has_torch_function(tensors):
+        return [get_gradient_edge(t) for t in tensors]
+    return tensors
 
 @dataclass
 class SplitBackward:
@@ -130,7 +143,7 @@ class SplitBackward:
         """
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and wrt:
-                torch.autograd.backward(self.roots, self.grads, inputs=list(wrt))
+                torch.autograd.backward(self.roots, self.grads, inputs=autograd_inputs(list(wrt)))
             return
         wanted = {id(t) for t in wrt}
         captured, self.captured = self.captured, {}
@@ -143,4 +156,4 @@ class SplitBackward:
             outs = [GradientEdge(node, k) for k, g in enumerate(incoming) if g is not None]
             if outs:
                 torch.autograd.backward(outs, [g for g in incoming if g is not None],
-                                        inputs=targets)
+                                        inputs=autograd_inputs(targets))

@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.overrides import has_torch_function
 
 from seqpipe.batchnorm import DeferredBatchNorm
 from seqpipe.checkpoint import Replay, first_pass, run_task
@@ -27,7 +26,7 @@ from seqpipe.microbatch import Batch
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
-from seqpipe.split_backward import SplitBackward
+from seqpipe.split_backward import SplitBackward, autograd_inputs
 from seqpipe.stream import move
 
 __all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "moved", "wants_grad"]
@@ -144,19 +143,6 @@ class _Pending:
 
 def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
     return get_gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
-
-
-def _targets(tensors: List[Tensor]) -> List[Any]:
-    """What to pass as ``inputs=`` to backpropagate into ``tensors``.
-
-    The tensors themselves, unless one has its own ``__torch_function__`` (a parameter
-    subclass): ``autograd.backward`` would then run the whole backward, a checkpoint's
-    recomputation included, inside that override, with subclass overrides disabled, so
-    the recomputation would compute something else. Their gradient edges avoid that.
-    """
-    if has_torch_function(tensors):
-        return [get_gradient_edge(t) for t in tensors]
-    return tensors
 
 
 class Stage:
@@ -280,7 +266,7 @@ class Stage:
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         wrt = ([state.phony] if state.phony is not None else []) + self._weights(sink)
         if roots and wrt:
-            torch.autograd.backward(roots, grads, inputs=_targets(wrt))
+            torch.autograd.backward(roots, grads, inputs=autograd_inputs(wrt))
         return self._received_grads(state)
 
     def _weights(self, sink: Optional[GradSink]) -> List[Tensor]:
