@@ -14,7 +14,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from seqpipe.distributed.wire import Message
 
@@ -52,21 +52,21 @@ def check_same_model(module: nn.Sequential, config: Tuple[Any, ...],
     return values[0]
 
 
-def call_kind(grad: bool, scaled: bool, device: torch.device) -> Tensor:
-    """What a rank was asked to do: ``[train_step?, with a scaler?]``."""
-    return torch.tensor([int(grad), int(scaled)], dtype=torch.int64, device=device)
+def call_kind(grad: bool, scaled: bool) -> Tuple[int, int]:
+    """What a rank was asked to do: ``(train_step?, with a scaler?)``; the rank of stage 0
+    sends it as a tensor with the call's opening message."""
+    return int(grad), int(scaled)
 
 
-def opened(opening: Message) -> Tensor:
+def opened(opening: Message) -> Tuple[int, ...]:
     """The call kind the rank of stage 0 sent with ``opening`` (a forward if it did not say)."""
     if opening.tensors and opening.tensors[0] is not None:
-        return opening.tensors[0]
-    return torch.zeros(2, dtype=torch.int64)
+        return tuple(opening.tensors[0].tolist())
+    return (0, 0)
 
 
-def check_same_call(first: Tensor, mine: Tensor) -> None:
+def check_same_call(theirs: Tuple[int, ...], ours: Tuple[int, int]) -> None:
     """Raise ``ValueError`` if the rank of stage 0 made another call than this rank."""
-    theirs, ours = tuple(first.tolist()), tuple(mine.tolist())
     if theirs != ours:
         raise ValueError(
             f"the rank of stage 0 called {_CALLS.get(theirs, theirs)} but this rank called "

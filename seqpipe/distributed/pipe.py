@@ -280,7 +280,7 @@ class DistributedPipe(nn.Module):
             transport.expect(opener, [OPENING])
             opening = call.need(opener, Kind.STEP)
             batches = [Batch((), True)] * opening.count  # placeholders: only their number
-        kind = call_kind(call.grad, call.seed is not None, self.device)
+        kind = call_kind(call.grad, call.seed is not None)
         theirs = kind if self.is_first else opened(opening)
         # On a mismatch, the plan of the call the others follow, so that the failure
         # reaches the ranks that wait for this one.
@@ -292,7 +292,8 @@ class DistributedPipe(nn.Module):
             transport.will_send(r, planned[1:] if self.is_first else planned)  # STEP: above
         if self.is_first:
             for r in others:
-                call.send(r, Kind.STEP, -1, [kind], count=len(batches))
+                call.send(r, Kind.STEP, -1, [torch.tensor(kind, device=self.device)],
+                          count=len(batches))
         check_same_call(theirs, kind)
         return batches, plan.actions
 
