@@ -9,7 +9,7 @@ BatchNorm would reach on the whole mini-batch, with the unbiased variance PyTorc
 """
 from __future__ import annotations
 
-from typing import Dict, Type, cast
+from typing import Dict, List, Tuple, Type, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -72,13 +72,27 @@ class DeferredBatchNorm(_BatchNorm):
         self._reset_accumulators()
 
 
-_classes: Dict[type, Type[DeferredBatchNorm]] = {}
+_classes: Dict[Tuple[type, type], type] = {}
+
+D = TypeVar("D", bound=DeferredBatchNorm)
 
 
-def _deferred_class(cls: type) -> Type[DeferredBatchNorm]:
-    if cls not in _classes:
-        _classes[cls] = type(f"Deferred{cls.__name__}", (DeferredBatchNorm, cls), {})
-    return _classes[cls]
+def convert_in_place(module: nn.Module, mixin: Type[D]) -> List[D]:
+    """Give every BatchNorm of ``module`` that keeps running statistics (not a
+    SyncBatchNorm, not deferred yet) the class ``mixin`` mixed into its own, in place, and
+    return those layers (their accumulators reset)."""
+    converted: List[D] = []
+    for layer in module.modules():
+        if (isinstance(layer, _BatchNorm) and not isinstance(layer, DeferredBatchNorm)
+                and not isinstance(layer, nn.SyncBatchNorm) and layer.track_running_stats):
+            key = (mixin, type(layer))
+            if key not in _classes:
+                _classes[key] = type(f"Deferred{type(layer).__name__}", key, {})
+            layer.__class__ = _classes[key]
+            deferred = cast(D, layer)
+            deferred._reset_accumulators()
+            converted.append(deferred)
+    return converted
 
 
 def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
@@ -88,9 +102,5 @@ def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
     parameters, buffers, ``state_dict`` keys and ``isinstance`` checks are unchanged.
     SyncBatchNorm and BatchNorms without running statistics are left alone.
     """
-    for layer in module.modules():
-        if (isinstance(layer, _BatchNorm) and not isinstance(layer, DeferredBatchNorm)
-                and not isinstance(layer, nn.SyncBatchNorm) and layer.track_running_stats):
-            layer.__class__ = _deferred_class(type(layer))
-            cast(DeferredBatchNorm, layer)._reset_accumulators()
+    convert_in_place(module, DeferredBatchNorm)
     return module

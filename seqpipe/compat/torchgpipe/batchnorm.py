@@ -17,12 +17,13 @@ it, and ``isinstance(layer, nn.BatchNorm2d)``, still hold. torchgpipe's extra ``
 """
 from __future__ import annotations
 
-from typing import Dict, Type, TypeVar, cast
+from typing import TypeVar
 
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from seqpipe.batchnorm import DeferredBatchNorm as _Deferred
+from seqpipe.batchnorm import convert_in_place
 from seqpipe.checkpoint import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
@@ -65,23 +66,9 @@ class DeferredBatchNorm(_Deferred):
     @classmethod
     def convert_deferred_batch_norm(cls, module: ModuleT, chunks: int = 1) -> ModuleT:
         """Make every BatchNorm in ``module`` deferred over ``chunks`` forwards, in place."""
-        for layer in module.modules():
-            if (isinstance(layer, _BatchNorm) and not isinstance(layer, _Deferred)
-                    and not isinstance(layer, nn.SyncBatchNorm) and layer.track_running_stats):
-                layer.__class__ = _counting_class(type(layer))
-                deferred = cast(DeferredBatchNorm, layer)
-                deferred.chunks = chunks
-                deferred._reset_accumulators()
+        for layer in convert_in_place(module, cls):
+            layer.chunks = chunks
         return module
-
-
-_classes: Dict[type, Type[DeferredBatchNorm]] = {}
-
-
-def _counting_class(cls: type) -> Type[DeferredBatchNorm]:
-    if cls not in _classes:
-        _classes[cls] = type(f"Deferred{cls.__name__}", (DeferredBatchNorm, cls), {})
-    return _classes[cls]
 
 
 def convert_deferred_batch_norm(module: ModuleT, chunks: int = 1) -> ModuleT:
