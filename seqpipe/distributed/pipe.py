@@ -277,7 +277,7 @@ class DistributedPipe(nn.Module):
             if not batches:
                 raise ValueError("the input batch is empty (size 0 on dim 0)")
         else:
-            transport.expect(opener, [OPENING])
+            call.expect(opener, [OPENING])
             opening = call.need(opener, Kind.STEP)
             batches = [Batch((), True)] * opening.count  # placeholders: only their number
         kind = call_kind(call.grad, call.seed is not None)
@@ -287,7 +287,7 @@ class DistributedPipe(nn.Module):
         plan = self._plan(len(batches), bool(theirs[0]))
         call.microbatches = len(batches)
         for r, planned in plan.incoming.items():
-            transport.expect(r, planned[1:] if r == opener else planned)  # STEP: taken above
+            call.expect(r, planned[1:] if r == opener else planned)  # STEP: taken above
         for r, planned in plan.outgoing.items():
             transport.will_send(r, planned[1:] if self.is_first else planned)  # STEP: above
         if self.is_first:

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from seqpipe.distributed.accumulate import StepGrads
+from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.microbatch import Batch
 from seqpipe.schedule import Action, Phase, Placement
@@ -127,6 +128,18 @@ class Call:
                     f"for the {_WHAT[kind]}: {type(exc).__name__}: {exc}", peer=src) from exc
             self.inbox[(message.kind, message.microbatch, message.key, message.origin)] = message
         return self.inbox.pop(wanted)
+
+    def expect(self, src: int, planned: Sequence[Planned]) -> None:
+        """Tell the transport what rank ``src`` will send next; posting a receive from a
+        lost peer fails there and then, and is that peer's failure, as in ``need``."""
+        try:
+            self.transport.expect(src, planned)
+        except PeerError:
+            raise
+        except Exception as exc:
+            raise PeerError(
+                f"{self.name()} lost {self.name(src)} while at {self.action}, posting the "
+                f"receive of its next message: {type(exc).__name__}: {exc}", peer=src) from exc
 
     def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
