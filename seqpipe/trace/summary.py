@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from seqpipe.schedule import Simulation, get_schedule, placement_of, simulate
+from seqpipe.trace.empty import require_events
 from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
 from seqpipe.trace.simulated import KIND_OF_PHASE
 
@@ -182,9 +183,7 @@ def summarize(recording: Recording) -> Summary:
     Raises ``ValueError`` for a recording without events, or with events of a step it
     has no :class:`~seqpipe.trace.events.StepRecord` for.
     """
-    if not recording.events:
-        raise ValueError("the recording holds no events: run at least one training step "
-                         "inside `with seqpipe.trace.record() as rec:` before summarising")
+    require_events(recording, "summarise")
     by_step = _events_by_step(recording)
     steps = [_summarize_step(record, by_step[record.index])
              for record in sorted(recording.steps, key=lambda r: r.index)
@@ -200,7 +199,7 @@ def summarize(recording: Recording) -> Summary:
 def describe_wait(event: Event, with_rank: bool = False) -> str:
     """``stage 1 waited 38.0 ms for gradients of micro-batch 0 from stage 2``."""
     who = f"stage {event.stage}" + (f" on rank {event.rank}" if with_rank else "")
-    text = f"{who} waited {_ms(event.duration)}"
+    text = f"{who} waited {format_time(event.duration)}"
     if event.what:
         text += f" for {_PLURAL.get(event.what, event.what)}"
     if event.microbatch is not None:
@@ -355,15 +354,16 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
 
-def _ms(seconds: float) -> str:
-    """Milliseconds with three significant digits (seconds from 10 s on)."""
+def format_time(seconds: float) -> str:
+    """Seconds as milliseconds with three significant digits (seconds from 10 s on)."""
     if seconds >= 10:
         return f"{seconds:.1f} s"
     v = seconds * 1e3
     return f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms" if v >= 10 else f"{v:.2f} ms"
 
 
-def _pct(fraction: float) -> str:
+def format_share(fraction: float) -> str:
+    """A fraction as a percentage: ``23.1 %``."""
     return f"{100 * fraction:.1f} %"
 
 
@@ -372,9 +372,10 @@ def _vs_plan(span: float, bubble: float, sim: Optional[Simulation],
     """``120 ms, bubble 23.1 % (simulated: 110 ms, bubble 15.0 %)``."""
     if sim is not None:
         plan = (sim.makespan, sim.bubble_fraction)
-    text = f"{_ms(span)}, bubble {_pct(bubble)}"
+    text = f"{format_time(span)}, bubble {format_share(bubble)}"
     if plan is not None:
-        text += f" (simulated with the measured costs: {_ms(plan[0])}, bubble {_pct(plan[1])})"
+        text += (f" (simulated with the measured costs: {format_time(plan[0])}, "
+                 f"bubble {format_share(plan[1])})")
     return text
 
 
@@ -385,7 +386,7 @@ def _table(stages: Sequence[StageTime]) -> List[str]:
     rows = [("  " + " " * 16 + heads).rstrip()]
     for t in stages:
         label = f"rank {t.rank} stage {t.stage}" if multi else f"stage {t.stage}"
-        cells = "".join(f"{_ms(v):>10} {_share(v, t.span):>5}"
+        cells = "".join(f"{format_time(v):>10} {_share(v, t.span):>5}"
                         for v in (t.busy, t.comm, t.waiting, t.idle))
         rows.append(f"  {label:<16}{cells}")
     return rows
@@ -398,6 +399,6 @@ def _share(value: float, span: float) -> str:
 def _cost_lines(costs: Dict[str, List[float]]) -> List[str]:
     if not costs:
         return []
-    parts = [f"{letter} " + " / ".join(_ms(c) for c in values)
+    parts = [f"{letter} " + " / ".join(format_time(c) for c in values)
              for letter, values in costs.items() if values]
     return ["median cost per action, stage 0 / 1 / ...: " + "; ".join(parts)]
