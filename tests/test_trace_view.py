@@ -349,3 +349,16 @@ def test_a_simulated_recording_holds_every_action_once_and_waits_for_peers(sched
         assert (wait.stage, wait.microbatch, wait.end) in starts
         assert sim.placement.rank_of(wait.peer) != sim.placement.rank_of(wait.stage)
     assert rec.steps[0].end - rec.steps[0].start == pytest.approx(sim.makespan)
+
+
+def test_one_step_prints_as_that_step_and_waits_read_as_sentences() -> None:
+    summary = summarize(_hand_made())
+    text = str(summary)
+    assert text == str(summary.steps[0])
+    assert text.startswith("step 0 (fill_drain, 1 micro-batch): 102 ms, bubble 69.9 %")
+    assert "median cost per action, stage 0 / 1 / ...: F 10.0 ms / 10.0 ms / 12.0 ms" in text
+    start = Event(WAIT, 1, 0.0, 5 * MS, None, peer=0, what="start of the step")
+    assert describe_wait(start) == "stage 1 waited 5.00 ms for the start of the step from stage 0"
+    skip = Event(WAIT, 2, 0.0, 0.25, 3, peer=0, what="skip tensor")
+    assert describe_wait(skip) == "stage 2 waited 250 ms for skip tensors of micro-batch 3 " \
+        "from stage 0"

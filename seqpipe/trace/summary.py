@@ -35,8 +35,10 @@ _ATTACHED = {EventKind.LOSS: (EventKind.FORWARD,),
              EventKind.RECOMPUTE: (EventKind.INPUT_GRAD, EventKind.BACKWARD)}
 """Events the simulator has no action for, and the actions whose cost they join."""
 _LETTERS = {kind: phase.letter for phase, kind in KIND_OF_PHASE.items()}
-_PLURAL = {"activation": "activations", "gradient": "gradients", "skip": "skip tensors",
-           "skip gradient": "skip gradients"}
+_PLURAL = {"activation": "activations", "gradient": "gradients", "skip tensor": "skip tensors",
+           "skip gradient": "skip gradients", "start of the step": "the start of the step",
+           "end of the step": "the end of the step", "loss": "the loss"}
+"""How a wait's message reads after "waited ... for" (others read as they are)."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,9 @@ class StepSummary:
         return 1 - _ratio(self.device_busy, self.devices * self.span)
 
     def __str__(self) -> str:
-        lines = [f"step {self.index} ({self.schedule}, {self.num_microbatches} "
-                 f"micro-batches): {_vs_plan(self.span, self.bubble, self.predicted)}"]
+        chunks = _count(self.num_microbatches, "micro-batch")
+        lines = [f"step {self.index} ({self.schedule}, {chunks}): "
+                 f"{_vs_plan(self.span, self.bubble, self.predicted)}"]
         lines += _table(self.stages)
         lines += _cost_lines(self.costs)
         if self.note:
@@ -145,7 +148,7 @@ class Summary:
     def oneline(self) -> str:
         """One line: time per step, bubble against the plan, and the biggest wait."""
         n = len(self.steps)
-        text = (f"trace: {n} step{'s' if n != 1 else ''}, "
+        text = (f"trace: {_count(n, 'step')}, "
                 f"{_vs_plan(self.span / n, self.bubble, None, self._plan_per_step())}")
         wait = self.biggest_wait
         if wait is not None:
@@ -162,16 +165,18 @@ class Summary:
         return any(s.multi_rank_stages for s in self.steps)
 
     def __str__(self) -> str:
-        schedules = ", ".join(sorted({s.schedule for s in self.steps}))
         n = len(self.steps)
-        lines = [f"{n} step{'s' if n != 1 else ''} recorded ({schedules}); "
+        if n == 1:
+            return str(self.steps[0])
+        schedules = ", ".join(sorted({s.schedule for s in self.steps}))
+        lines = [f"{n} steps recorded ({schedules}); "
                  f"per step {_vs_plan(self.span / n, self.bubble, None, self._plan_per_step())}",
                  "all steps:"]
         lines += _table(self.stages)
         wait = self.biggest_wait
         if wait is not None:
-            where = f" (step {wait.step})" if n > 1 else ""
-            lines.append("biggest wait: " + describe_wait(wait, self._multi_rank()) + where)
+            lines.append(f"biggest wait: {describe_wait(wait, self._multi_rank())} "
+                         f"(step {wait.step})")
         for step in self.steps:
             lines += ["", str(step)]
         return "\n".join(lines)
@@ -359,7 +364,15 @@ def format_time(seconds: float) -> str:
     if seconds >= 10:
         return f"{seconds:.1f} s"
     v = seconds * 1e3
-    return f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms" if v >= 10 else f"{v:.2f} ms"
+    for digits, below in ((2, 9.995), (1, 99.95)):
+        if v < below:
+            return f"{v:.{digits}f} ms"
+    return f"{v:.0f} ms"
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 step``, ``2 steps``, ``4 micro-batches``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("ch") else f"{n} {noun}s"
 
 
 def format_share(fraction: float) -> str:
