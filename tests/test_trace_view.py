@@ -362,3 +362,14 @@ def test_one_step_prints_as_that_step_and_waits_read_as_sentences() -> None:
     skip = Event(WAIT, 2, 0.0, 0.25, 3, peer=0, what="skip tensor")
     assert describe_wait(skip) == "stage 2 waited 250 ms for skip tensors of micro-batch 3 " \
         "from stage 0"
+
+
+def test_schedule_objects_are_named_by_their_built_in_name() -> None:
+    from seqpipe.schedule import Interleaved1F1B, OneFOneB
+
+    rec = from_simulation(simulate(OneFOneB(), 2, 4), OneFOneB())
+    assert summarize(rec).steps[0].schedule == "1f1b"
+    rec = from_simulation(simulate(Interleaved1F1B(3), 2, 4), Interleaved1F1B(3))
+    step = summarize(rec).steps[0]
+    assert step.schedule == "Interleaved1F1B(stages_per_rank=3)"
+    assert step.predicted is not None and len(step.stages) == 6

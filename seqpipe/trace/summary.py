@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from seqpipe.schedule import Simulation, get_schedule, placement_of, simulate
+from seqpipe.schedule import SCHEDULES, Simulation, get_schedule, placement_of, simulate
 from seqpipe.trace.empty import require_events
 from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
 from seqpipe.trace.simulated import KIND_OF_PHASE
@@ -67,9 +67,14 @@ class StageTime:
 class StepSummary:
     """One recorded step: its span, per-stage times, bubble, costs and prediction.
 
-    ``costs`` maps ``"F"``, ``"B"``, ``"I"``, ``"W"`` to the per-stage median seconds fed
-    to the simulator; ``predicted`` is its replay (``None`` with the reason in ``note``
-    when a stage has no measurement to replay).
+    ``span``: seconds from the step's start (or its first event, if earlier) to its end
+    (or its last event). ``stages``: per (rank, stage) track, in order. ``devices``: how
+    many devices (ranks, or a local ``Pipe``'s devices) ran its stages, ``device_busy``
+    their busy seconds together. ``costs`` maps ``"F"``, ``"B"``, ``"I"``, ``"W"`` to the
+    per-stage median seconds fed to the simulator; ``predicted`` is its replay (``None``
+    with the reason in ``note`` when a stage has no measurement to replay).
+    ``multi_rank_stages``: some stage ran on several ranks (data parallel), so waits name
+    their rank.
     """
 
     index: int
@@ -91,7 +96,7 @@ class StepSummary:
         return 1 - _ratio(self.device_busy, self.devices * self.span)
 
     def __str__(self) -> str:
-        chunks = _count(self.num_microbatches, "micro-batch")
+        chunks = format_count(self.num_microbatches, "micro-batch")
         lines = [f"step {self.index} ({self.schedule}, {chunks}): "
                  f"{_vs_plan(self.span, self.bubble, self.predicted)}"]
         lines += _table(self.stages)
@@ -106,7 +111,8 @@ class StepSummary:
 
 @dataclass(frozen=True)
 class Summary:
-    """Every recorded step's summary and their totals (``stages``: per-stage sums)."""
+    """Every recorded step's summary (``steps``, in order) and their totals (``stages``:
+    per (rank, stage) sums over the steps)."""
 
     steps: List[StepSummary]
     stages: List[StageTime]
@@ -148,7 +154,7 @@ class Summary:
     def oneline(self) -> str:
         """One line: time per step, bubble against the plan, and the biggest wait."""
         n = len(self.steps)
-        text = (f"trace: {_count(n, 'step')}, "
+        text = (f"trace: {format_count(n, 'step')}, "
                 f"{_vs_plan(self.span / n, self.bubble, None, self._plan_per_step())}")
         wait = self.biggest_wait
         if wait is not None:
@@ -214,7 +220,7 @@ def describe_wait(event: Event, with_rank: bool = False) -> str:
     return text
 
 
-def predict(record: StepRecord, events: Sequence[Event]
+def _predict(record: StepRecord, events: Sequence[Event]
             ) -> Tuple[Dict[str, List[float]], Optional[Simulation], Optional[str]]:
     """The step's per-stage median costs, their simulation, and why there is none."""
     costs, note = _median_costs(events, record.num_stages)
@@ -249,7 +255,7 @@ def _summarize_step(record: StepRecord, events: List[Event]) -> StepSummary:
     stages = [StageTime(rank, stage, *_account(tracks[(rank, stage)], lo, hi))
               for rank, stage in sorted(tracks)]
     devices = _device_busy(record, tracks, lo, hi)
-    costs, sim, note = predict(record, events)
+    costs, sim, note = _predict(record, events)
     waits = [e for e in events if e.kind is EventKind.WAIT]
     ranks_per_stage = defaultdict(set)
     for rank, stage in tracks:
@@ -352,7 +358,14 @@ def _action_costs(events: Sequence[Event]) -> Iterable[Tuple[Event, float]]:
 
 
 def _schedule_name(schedule: Any) -> str:
-    return schedule if isinstance(schedule, str) else type(schedule).__name__
+    """A built-in's registry name (``"1f1b"``), else the schedule's repr or class name."""
+    if isinstance(schedule, str):
+        return schedule
+    for name, make in SCHEDULES.items():
+        if type(schedule) is make and schedule == make():
+            return name
+    text = repr(schedule)
+    return type(schedule).__name__ if text.startswith("<") else text
 
 
 def _ratio(num: float, den: float) -> float:
@@ -370,7 +383,7 @@ def format_time(seconds: float) -> str:
     return f"{v:.0f} ms"
 
 
-def _count(n: int, noun: str) -> str:
+def format_count(n: int, noun: str) -> str:
     """``1 step``, ``2 steps``, ``4 micro-batches``."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("ch") else f"{n} {noun}s"
 
