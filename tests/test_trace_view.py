@@ -94,6 +94,11 @@ def test_chrome_json_has_the_trace_fields_one_track_per_rank_and_stage(tmp_path)
         assert out["ts"] == pytest.approx((ev.start - origin) * 1e6)
         assert out["dur"] == pytest.approx(ev.duration * 1e6)
     assert min(e["ts"] for e in complete) == 0
+    # The chart has the same tracks, labelled with their rank where it is not the stage.
+    rows = _rows(_sections(render_svg(rec))["measured"])
+    labels = [next(r.iter(f"{SVG}text")).text for r in rows]
+    assert labels == ["rank 0 · stage 0", "rank 0 · stage 3", "rank 1 · stage 1",
+                      "rank 1 · stage 2"]
 
 
 def test_chrome_events_carry_names_categories_and_args() -> None:
@@ -318,6 +323,8 @@ def test_no_prediction_when_a_stage_has_no_measurement() -> None:
     assert summary.steps[0].predicted is None
     assert summary.predicted_span is None and summary.predicted_bubble is None
     assert "no simulation: stage 1 has no measured backward" in str(summary)
+    uncounted = Recording(_hand_made().events, [_step(0, 0.0, 102 * MS, 3, 0)])
+    assert "no simulation: its step record counts 0 micro-batches" in str(summarize(uncounted))
 
 
 def test_empty_or_inconsistent_recordings_are_refused() -> None:

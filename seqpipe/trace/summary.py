@@ -224,6 +224,8 @@ def _predict(record: StepRecord, events: Sequence[Event]
             ) -> Tuple[Dict[str, List[float]], Optional[Simulation], Optional[str]]:
     """The step's per-stage median costs, their simulation, and why there is none."""
     costs, note = _median_costs(events, record.num_stages)
+    if note is None and record.num_microbatches < 1:
+        note = f"its step record counts {record.num_microbatches} micro-batches"
     if note is not None:
         return costs, None, note
     split = "I" in costs
