@@ -53,6 +53,11 @@ class Batch:
                     f"a pipeline carries a tensor or a tuple of tensors between partitions, "
                     f"got {_describe(value)} whose item {i} {_nested(item)}; return each "
                     f"tensor as an item of the tuple")
+        if not any(isinstance(item, Tensor) for item in value):
+            raise TypeError(
+                f"a pipeline carries a tensor or a tuple of tensors between partitions (the "
+                f"tuple may also hold non-tensor values), got {_describe(value)} with no "
+                f"tensor; return at least one tensor from the layer at the partition boundary")
         return cls._split(value, False)
 
     @classmethod
@@ -203,9 +208,6 @@ def gather(batches: Sequence[Batch]) -> TensorOrTensors:
     """
     first = batches[0]
     _check_alike(batches)
-    if not first.tensors:
-        raise ValueError("the last layer returned no tensor; return at least one tensor with "
-                         "a batch dimension")
     for tensor in first.tensors:
         if tensor.dim() == 0:
             raise ValueError(

@@ -188,6 +188,17 @@ def test_a_layer_returning_nochunk_is_an_error():
         pipe(torch.ones(2, 4))
 
 
+def test_a_micro_batch_without_a_tensor_between_partitions_is_an_error():
+    class Count(nn.Module):
+        def forward(self, x):
+            return x.shape[0], None
+
+    pipe = Pipe(nn.Sequential(Count(), nn.Identity()), balance=[1, 1], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"got a tuple of \(int, NoneType\) with no tensor; "
+                                        r"return at least one tensor"):
+        pipe(torch.ones(2, 4))
+
+
 def test_micro_batch_outputs_of_different_kinds_are_an_error():
     class Odd(nn.Module):
         def forward(self, x):
