@@ -310,31 +310,49 @@ def _distributed(rank: int, world: int) -> None:
     assert not problems, problems
 
 
+class Relay(nn.Module):
+    def forward(self, inputs):
+        return inputs
+
+
+class AddDict(nn.Module):
+    def forward(self, inputs):
+        return (*inputs, {"a": 1})
+
+
+class DropLast(nn.Module):
+    def forward(self, inputs):
+        return inputs[:-1]
+
+
+class Check(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[Tuple[Any, ...]] = []
+
+    def forward(self, inputs):
+        self.seen.append(inputs[1:])
+        return inputs[0]
+
+
+def _typed(values: Any) -> List[Tuple[type, Any]]:
+    return [(type(v), v) for v in values]
+
+
+VALUES = (0.1, -(2 ** 62), True, False, None, "ünïcode", "", 2.5e300)
+
+
 def _wire_values(rank: int, world: int) -> None:
-    """Each kind of value the wire carries arrives as the same type and value."""
+    """Each kind of value the wire carries arrives as the same type and value; a dict is
+    refused on the stage that would send it, and the other rank hears of it."""
     from seqpipe.distributed import DistributedPipe
-
-    class Relay(nn.Module):
-        def forward(self, inputs):
-            return inputs
-
-    class Check(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def forward(self, inputs):
-            self.seen.append(inputs[1:])
-            return inputs[0]
 
     check = Check()
     pipe = DistributedPipe(nn.Sequential(Relay(), check), chunks=2, balance=[1, 1])
-    values = (0.1, -(2 ** 62), True, False, None, "ünïcode", "", 2.5e300)
     x = torch.ones(4, 2)
-    out = pipe((x, *values) if rank == 0 else None)
+    out = pipe((x, *VALUES) if rank == 0 else None)
     if rank == 1:
-        assert [tuple((type(v), v) for v in seen) for seen in check.seen] == \
-            [tuple((type(v), v) for v in values)] * 2, check.seen
+        assert [_typed(seen) for seen in check.seen] == [_typed(VALUES)] * 2, check.seen
         assert torch.equal(out, x)
     with pytest.raises((TypeError, RuntimeError)) as info:
         pipe((x, {"a": 1}) if rank == 0 else None)
@@ -346,9 +364,37 @@ def _wire_values(rank: int, world: int) -> None:
         assert "TypeError: item 1 of a micro-batch is a dict" in str(info.value)
 
 
+def _two_stages_per_rank(rank: int, world: int) -> None:
+    """Under "zbv" rank 1 holds stages 1 and 2: values cross that hop in memory, and what
+    could not cross to another rank is refused there too."""
+    from seqpipe.distributed import DistributedPipe
+
+    check = Check()
+    pipe = DistributedPipe(nn.Sequential(Relay(), Relay(), Relay(), check), chunks=2,
+                           balance=[1, 1, 1, 1], schedule="zbv")
+    x = torch.ones(4, 2)
+    out = pipe((x, *VALUES))  # every rank passes the input; stage 0's rank reads it
+    if pipe.is_last:
+        assert [_typed(seen) for seen in check.seen] == [_typed(VALUES)] * 2, check.seen
+        assert torch.equal(out, x)
+    # stage 2 drops the dict: only the in-memory hop from stage 1 could carry it
+    pipe = DistributedPipe(nn.Sequential(Relay(), AddDict(), DropLast(), Check()), chunks=2,
+                           balance=[1, 1, 1, 1], schedule="zbv")
+    with pytest.raises((TypeError, RuntimeError)) as info:
+        pipe((x, 3))
+    if rank == 1:
+        assert info.type is TypeError and "is a dict, which cannot travel" in str(info.value)
+    else:
+        assert "TypeError: item 2 of a micro-batch is a dict" in str(info.value)
+
+
 def test_distributed_pipe_carries_non_tensors_between_ranks():
     run_workers(_distributed, 2, timeout=240, pg_timeout=60)
 
 
 def test_distributed_wire_carries_plain_values_and_refuses_others():
     run_workers(_wire_values, 2, timeout=180, pg_timeout=60)
+
+
+def test_distributed_values_cross_a_hop_inside_one_rank_alike():
+    run_workers(_two_stages_per_rank, 2, timeout=180, pg_timeout=60)
