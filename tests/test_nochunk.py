@@ -398,3 +398,27 @@ def test_distributed_wire_carries_plain_values_and_refuses_others():
 
 def test_distributed_values_cross_a_hop_inside_one_rank_alike():
     run_workers(_two_stages_per_rank, 2, timeout=180, pg_timeout=60)
+
+
+def test_header_words_round_trip_each_supported_value_and_refuse_others():
+    import enum
+    import math
+
+    from seqpipe.distributed.values import check_values, from_words, to_words
+
+    values = tuple(enumerate((*VALUES, math.inf, 2 ** 63 - 1, -(2 ** 63), "x" * 17)))
+    words = [99] + to_words(values)  # from an offset, as in a header
+    assert _typed(v for _, v in from_words(words, 1)) == _typed(v for _, v in values)
+    assert [p for p, _ in from_words(words, 1)] == list(range(len(values)))
+    nan = from_words(to_words(((0, math.nan),)), 0)[0][1]
+    assert math.isnan(nan)
+
+    class Mode(enum.IntEnum):
+        A = 1
+
+    for bad in (Mode.A, {"a": 1}, b"bytes", 1j):
+        with pytest.raises(TypeError, match=f"item 3 of a micro-batch is a "
+                                            f"{type(bad).__name__}, which cannot travel"):
+            check_values(((3, bad),))
+    with pytest.raises(ValueError, match="does not fit in 64 bits"):
+        check_values(((0, 2 ** 63),))
