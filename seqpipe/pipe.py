@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from seqpipe.arguments import check_chunks
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
-from seqpipe.microbatch import Batch, TensorOrTensors, check_input, gather, scatter
+from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather, gather_grad
 from seqpipe.partition import (
     Device,
     refuse_meta,
@@ -55,15 +55,15 @@ class _PipeFunction(torch.autograd.Function):
 class _Call:
     """One call of a Pipe: micro-batches in, gathered output out, and its backward."""
 
-    def __init__(self, pipe: "Pipe", batch: Batch, params: List[nn.Parameter],
+    def __init__(self, pipe: "Pipe", given: Input, params: List[nn.Parameter],
                  grad: bool) -> None:
-        self.pipe, self.batch, self.params, self.grad = pipe, batch, params, grad
-        self.microbatches = scatter(batch.value, pipe.chunks)
+        self.pipe, self.input, self.params, self.grad = pipe, given, params, grad
+        self.microbatches = given.scatter(pipe.chunks)
         if not self.microbatches:
             raise ValueError("the input batch is empty (size 0 on dim 0); a pipeline needs "
                              "at least one sample")
         self.run: Optional[LocalRun] = None
-        self.atomic = True
+        self.shape = Batch((), True)  # the output's, once known: its tensors come apart
 
     def forward(self) -> Tuple[Tensor, ...]:
         mode = self.pipe.checkpoint if self.pipe.training and self.grad else "never"
@@ -71,28 +71,27 @@ class _Call:
         self.run = self.pipe._pipeline.forward(self.microbatches, grad=self.grad,
                                                checkpoint_stop=stop)
         outputs = [b for b in self.run.outputs if b is not None]
-        self.atomic = outputs[0].atomic
         self.run.outputs = []
-        gathered = gather(outputs)
-        return (gathered,) if isinstance(gathered, Tensor) else tuple(gathered)
+        gathered = Batch.of(gather(outputs))  # a constant: a list, a value per micro-batch
+        self.shape = gathered.like(())
+        return gathered.tensors
 
     def backward(self, grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
         assert self.run is not None
-        sizes = [b.tensors[0].shape[0] for b in self.microbatches]
+        sizes = self.input.sizes(self.microbatches)
         per_mb = [tuple(None if g is None else g.split(sizes)[i] for g in grads)
                   for i in range(len(sizes))]
         sums = self.pipe._pipeline.backward(self.run, per_mb)
-        input_grads = [self._input_grad(j, t) for j, t in enumerate(self.batch.tensors)]
+        input_grads = [self._input_grad(j, t) for j, t in enumerate(self.input.batch.tensors)]
         return input_grads + [sums.get(p) for p in self.params]
 
     def _input_grad(self, j: int, tensor: Tensor) -> Optional[Tensor]:
         assert self.run is not None
         pieces = [g[j] if g else None for g in self.run.input_grads]
-        if not tensor.requires_grad or all(p is None for p in pieces):
+        if not tensor.requires_grad:
             return None
-        filled = [torch.zeros_like(mb.tensors[j]) if p is None else p.to(tensor.device)
-                  for p, mb in zip(pieces, self.microbatches)]
-        return torch.cat(filled)
+        return gather_grad(pieces, [mb.tensors[j] for mb in self.microbatches],
+                           self.input.whole[j], tensor.device)
 
 
 class Pipe(nn.Module):
@@ -187,17 +186,17 @@ class Pipe(nn.Module):
 
     @torch.compiler.disable
     def _run(self, input: TensorOrTensors) -> TensorOrTensors:
-        check_input(input)
-        batch = Batch.of(input)
+        given = Input.of(input)
+        batch = given.batch
         params = [p for p in self.parameters() if p.requires_grad]
         grad = torch.is_grad_enabled() and (
             bool(params) or any(t.requires_grad for t in batch.tensors))
-        call = _Call(self, batch, params, grad)
+        call = _Call(self, given, params, grad)
         if grad:
             outputs = _PipeFunction.apply(call, *batch.tensors, *params)
         else:
             outputs = call.forward()
-        return outputs[0] if call.atomic else tuple(outputs)
+        return call.shape.like(outputs).value
 
     def extra_repr(self) -> str:
         return f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"

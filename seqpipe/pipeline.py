@@ -115,7 +115,7 @@ class LocalPipeline:
         if s + 1 < len(self.stages):
             mailbox.put(("act", s + 1, i), moved(outputs, self.devices[s + 1]))
         else:
-            run.outputs[i] = Batch(tuple(t.detach() for t in outputs.tensors), outputs.atomic)
+            run.outputs[i] = outputs.like([t.detach() for t in outputs.tensors])
         for key, tensor in skips.items():
             dest = self.layout.pop_partition(*key)
             mailbox.put(("skip", dest, i, key), (move(tensor, self.devices[dest]),

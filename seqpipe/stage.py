@@ -43,7 +43,7 @@ def wants_grad(tensor: Optional[Tensor]) -> bool:
 def moved(batch: Batch, device: torch.device) -> Tuple[Batch, Tuple[bool, ...]]:
     """``batch`` arriving on ``device``, and whether each of its tensors wants a gradient."""
     tensors = tuple(move(t, device) for t in batch.tensors)
-    return Batch(tensors, batch.atomic), tuple(wants_grad(t) for t in batch.tensors)  # type: ignore[arg-type]
+    return batch.like(tensors), tuple(wants_grad(t) for t in batch.tensors)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -161,7 +161,7 @@ class Stage:
         """The parameters that receive gradients, in a fixed order."""
         return [p for p in self.partition.parameters() if p.requires_grad]
 
-    def _call(self, tracker: StageSkipTracker, atomic: bool, protect: bool = False,
+    def _call(self, tracker: StageSkipTracker, like: Batch, protect: bool = False,
               sink: Optional[GradSink] = None) -> Callable[..., Any]:
         """The partition as a function of its input tensors (run with ``sink``'s aliases).
 
@@ -171,11 +171,14 @@ class Stage:
         a block, or a custom ``x.mul_()``) would overwrite them. Which layer will write
         cannot be known beforehand, so every checkpointed task copies (a copy per input
         in the forward and again in the recomputation; see docs/pipe.md for its cost).
+        The input's non-tensor values come from ``like`` (the recomputation gets the same).
         """
+        atomic, constants = like.atomic, like.constants  # not its tensors: not kept alive
+
         def run(*tensors: Tensor) -> Any:
             if protect:
                 tensors = tuple(t.clone() for t in tensors)
-            value = Batch(tensors, atomic).value
+            value = Batch(tensors, atomic, constants).value
             with use_skip_tracker(tracker):
                 if sink is None:
                     return self.partition(value)
@@ -197,7 +200,7 @@ class Stage:
         if not grad:
             tracker = StageSkipTracker(self.crossing, dict(received.skips))
             with torch.no_grad():
-                out = run_task(self._call(tracker, received.inputs.atomic),
+                out = run_task(self._call(tracker, received.inputs),
                                received.inputs.tensors, checkpoint=False, seed=seed)
             return self._sent(out, tracker), None
         with torch.enable_grad():  # also inside autograd.Function.forward, where it is off
@@ -207,7 +210,7 @@ class Stage:
                            sink: Optional[GradSink]) -> Tuple[Sent, TaskState]:
         tracker = StageSkipTracker(self.crossing, dict(received.skips))
         protect = bool(getattr(self.partition[0], "inplace", False))
-        out, replay = first_pass(self._call(tracker, received.inputs.atomic, protect, sink),
+        out, replay = first_pass(self._call(tracker, received.inputs, protect, sink),
                                  received.inputs.tensors, seed=seed, device=self.device)
         state = TaskState(None, None, len(received.inputs), tuple(received.skips))
         state.replay = _Pending(received, replay, sink)
@@ -246,7 +249,7 @@ class Stage:
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         tracker.replaying = replaying
-        out = run_task(self._call(tracker, received.inputs.atomic, checkpoint, sink), inputs,
+        out = run_task(self._call(tracker, received.inputs, checkpoint, sink), inputs,
                        checkpoint=checkpoint, seed=seed)
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seqpipe.microbatch import Batch, TensorOrTensors, check_input, scatter
+from seqpipe.microbatch import Batch, Input, TensorOrTensors
 
 __all__ = ["backward", "fresh", "layer_input", "prepare_sample", "run_layer"]
 
@@ -22,16 +22,16 @@ def prepare_sample(sample: TensorOrTensors, device: torch.device,
     The micro-batch is the first of ``scatter(sample, chunks)``, the largest one the
     pipeline will run.
     """
-    check_input(sample)
-    batch = Batch.of(sample)
-    if batch.tensors[0].shape[0] == 0:
+    given = Input.of(sample)
+    batch = given.batch
+    if given.size == 0:
         raise ValueError("the sample's batch is empty (dim 0 has size 0); "
                          "pass a sample with at least one row")
     if chunks is not None:
         if chunks < 1:
             raise ValueError(f"chunks must be at least 1, got {chunks}")
-        batch = scatter(sample, chunks)[0]
-    return Batch(tuple(t.to(device) for t in batch.tensors), batch.atomic)
+        batch = given.scatter(chunks)[0]
+    return batch.like([t.to(device) for t in batch.tensors])
 
 
 def fresh(tensor: Tensor) -> Tensor:
@@ -50,7 +50,7 @@ def fresh(tensor: Tensor) -> Tensor:
 
 def layer_input(batch: Batch) -> Batch:
     """What the next layer receives: fresh copies of the previous layer's outputs."""
-    return Batch(tuple(fresh(t) for t in batch.tensors), batch.atomic)
+    return batch.like([fresh(t) for t in batch.tensors])
 
 
 def run_layer(index: int, layer: nn.Module, batch: Batch) -> Batch:

@@ -40,6 +40,7 @@ from torch.autograd.graph import get_gradient_edge
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
+from seqpipe.distributed.values import check_values
 from seqpipe.microbatch import Batch
 from seqpipe.schedule import Action, Phase, Placement
 from seqpipe.sink import GradSink
@@ -146,10 +147,12 @@ class Call:
         """Queue a message to rank ``dst``; a failure to send is the peer's failure."""
         if dst == self.rank:  # to a stage of this rank: cut from the graph, as if sent
             kept = tuple(t.detach() if t is not None else None for t in tensors)
+            check_values(options.get("values", ()))  # what could not cross to another rank
             self.local[(kind, microbatch, options.get("key", -1), options.get("origin", -1))] = \
                 Message(kind, microbatch, options.get("key", -1), kept,
                         tuple(flags) if flags is not None else (False,) * len(kept),
-                        atomic=options.get("atomic", True), origin=options.get("origin", -1))
+                        atomic=options.get("atomic", True), origin=options.get("origin", -1),
+                        values=options.get("values", ()))
             return
         try:
             self.transport.send(dst, kind, microbatch, tensors, flags, **options)
@@ -191,7 +194,8 @@ class Call:
             received_batch, flags = moved(inputs[i], self.stages[s].device)
         else:
             message = self.need(rank(s - 1), Kind.ACTIVATION, i, origin=s - 1)
-            received_batch = Batch(message.tensors, message.atomic)  # type: ignore[arg-type]
+            received_batch = Batch(message.tensors, message.atomic,  # type: ignore[arg-type]
+                                   message.values)
             flags = message.flags
         skips: Dict[SkipKey, Optional[Tensor]] = {}
         for skip in self.layout.skips_popped_by(s):
@@ -209,7 +213,7 @@ class Call:
         if s < self.num_stages - 1:
             outs = sent.outputs.tensors
             self.send(rank(s + 1), Kind.ACTIVATION, i, outs, [sent.wants_grad(t) for t in outs],
-                      atomic=sent.outputs.atomic, origin=s)
+                      atomic=sent.outputs.atomic, origin=s, values=sent.outputs.constants)
         elif loss_fn is not None and targets is not None:
             assert state is not None
             loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])

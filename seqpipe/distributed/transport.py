@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.distributed.values import Values
 from seqpipe.distributed.wire import (
     HEADER_BYTES,
     HEADER_SLOTS,
@@ -260,9 +261,9 @@ class Transport:
     # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, *, key: int = -1, count: int = 0,
-             atomic: bool = True, origin: int = -1) -> None:
+             atomic: bool = True, origin: int = -1, values: Values = ()) -> None:
         """Queue a message to ``stage`` (a rank; ``origin``: the pipeline stage whose action
-        sends it); returns at once."""
+        sends it; ``values``: an activation's non-tensor items); returns at once."""
         flags = flags if flags is not None else [False] * len(tensors)
         planned = self._next_out(stage, (kind, microbatch, key, origin))  # taken off once sent
         expected = self._expected_by(stage, planned)
@@ -271,7 +272,7 @@ class Transport:
         reshaped = actual != expected
         taken_at = planned.taken_at if planned else sys.maxsize
         header = encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
-                        pin=self._pin, origin=origin)
+                        pin=self._pin, origin=origin, values=values)
         if not reshaped:
             self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device),
                         stage, taken_at)
@@ -303,7 +304,7 @@ class Transport:
             self._post(stage)
         posted = self._posted.pop(stage)
         header = self._arrival(posted)
-        kind, microbatch, key, count, atomic, reshaped, origin, specs = decode(header)
+        kind, microbatch, key, count, atomic, reshaped, origin, specs, values = decode(header)
         if kind is Kind.ABORT:
             raise PeerError(decode_text(header), peer=stage)
         planned = posted.planned
@@ -329,7 +330,7 @@ class Transport:
             self._post(stage)
         tensors = tuple(None if s is None else payload.pop(0) for s in specs)
         flags = tuple(bool(s and s[1]) for s in specs)
-        return Message(kind, microbatch, key, tensors, flags, count, atomic, origin)
+        return Message(kind, microbatch, key, tensors, flags, count, atomic, origin, values)
 
     def _arrival(self, posted: _Posted) -> List[int]:
         """Wait for a posted receive; its header, read on the host.

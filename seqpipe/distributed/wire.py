@@ -4,9 +4,10 @@ Only tensors travel. The header (``HEADER_SLOTS`` int64 words) names the message
 micro-batch, the stage whose action sends it (a rank may hold several stages), the skip
 (by its index in the skip layout, the same on every rank), whether the payload had
 another shape than the receiver expected ("reshaped"), and each tensor's
-dtype, shape and whether it wants a gradient; a failure notice carries its text in the
-header instead. The tensors follow in the same buffer, each at an offset aligned for any
-dtype, so a receiver takes them out as views, without copying. One buffer per message
+dtype, shape and whether it wants a gradient, then the micro-batch's non-tensor values
+(``seqpipe.distributed.values``: a few plain types, as words); a failure notice carries its
+text in the header instead. The tensors follow in the same buffer, each at an offset
+aligned for any dtype, so a receiver takes them out as views, without copying. One buffer per message
 rather than one per tensor halves the rendezvous a hop costs (each point-to-point
 operation is a handshake with the peer), at the price of one copy of the payload on each
 side.
@@ -20,6 +21,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from seqpipe.distributed.values import Values, bytes_to_words, from_words, to_words, words_to_bytes
 
 __all__ = ["HEADER_SLOTS", "HEADER_BYTES", "Kind", "Message", "Spec", "spec_of", "nbytes",
            "pack", "unpack", "encode", "encode_text", "decode", "decode_text"]
@@ -50,7 +53,8 @@ class Kind(enum.IntEnum):
 
 @dataclass
 class Message:
-    """A received message: its kind, micro-batch, skip index and tensors (None = absent)."""
+    """A received message: its kind, micro-batch, skip index, tensors (None = absent)
+    and non-tensor values."""
 
     kind: Kind
     microbatch: int
@@ -60,6 +64,7 @@ class Message:
     count: int = 0  # micro-batches in the call (STEP messages)
     atomic: bool = True  # a single tensor rather than a tuple (activations)
     origin: int = -1  # the stage whose action sent it (-1: the call's opening and close)
+    values: Values = ()  # an activation's non-tensor items, with their positions
 
 
 def spec_of(tensors: Iterable[Optional[Tensor]]) -> Spec:
@@ -102,7 +107,7 @@ def unpack(buffer: Tensor, offset: int, spec: Spec) -> List[Tensor]:
 
 def encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, reshaped: bool,
            tensors: Sequence[Optional[Tensor]], flags: Sequence[bool], *,
-           pin: bool = False, origin: int = -1) -> Tensor:
+           pin: bool = False, origin: int = -1, values: Values = ()) -> Tensor:
     """The header of a message, on the host (in pinned memory with ``pin``)."""
     words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), int(reshaped), origin,
              len(tensors)]
@@ -114,10 +119,12 @@ def encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, resh
             raise TypeError(f"cannot send a {tensor.dtype} tensor between stages; supported: "
                             f"{', '.join(str(d) for d in _DTYPES)}")
         words += [1, _DTYPES.index(tensor.dtype), int(flag), tensor.dim(), *tensor.shape]
+    words += to_words(values)
     if len(words) > HEADER_SLOTS:
-        raise ValueError(f"a message of {len(tensors)} tensors with these shapes needs "
-                         f"{len(words)} header slots, more than {HEADER_SLOTS}; send fewer "
-                         f"or lower-rank tensors between stages")
+        raise ValueError(f"a message of {len(tensors)} tensors with these shapes and "
+                         f"{len(values)} non-tensor values needs {len(words)} header slots, "
+                         f"more than {HEADER_SLOTS}; send fewer or lower-rank tensors, or "
+                         f"shorter strings, between stages")
     return _header(words, pin)
 
 
@@ -129,20 +136,16 @@ def _header(words: List[int], pin: bool) -> Tensor:
 def encode_text(kind: Kind, text: str, *, pin: bool = False) -> Tensor:
     """A header that carries a short UTF-8 text in its spare slots (one message, no tensors)."""
     room = (HEADER_SLOTS - _FIXED - 1) * 8
-    data = text.encode("utf-8")[:room]
-    data += b"\0" * (-len(data) % 8)
-    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, -1, 0, len(data)]
-    words += [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
-    return _header(words, pin)
+    words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, -1, 0]
+    return _header(words + bytes_to_words(text.encode("utf-8")[:room]), pin)
 
 
 def decode_text(header: List[int]) -> str:
-    data = b"".join(w.to_bytes(8, "little", signed=True) for w in header[_FIXED + 1:])
-    return data[:header[_FIXED]].rstrip(b"\0").decode("utf-8", "replace")
+    return words_to_bytes(header, _FIXED)[0].decode("utf-8", "replace")
 
 
 def decode(header: List[int]
-           ) -> Tuple[Kind, int, int, int, bool, bool, int, List[Optional[Tuple]]]:
+           ) -> Tuple[Kind, int, int, int, bool, bool, int, List[Optional[Tuple]], Values]:
     if header[0] != _MAGIC:
         raise RuntimeError("received a corrupt pipeline header: the stages disagree about "
                            "the message order (are all ranks running the same schedule?)")
@@ -157,4 +160,6 @@ def decode(header: List[int]
         dtype, flag, ndim = _DTYPES[header[pos + 1]], bool(header[pos + 2]), header[pos + 3]
         specs.append((dtype, flag, tuple(header[pos + 4:pos + 4 + ndim])))
         pos += 4 + ndim
-    return Kind(kind), microbatch, key, count, bool(atomic), bool(reshaped), origin, specs
+    values = from_words(header, pos) if kind != Kind.ABORT else ()  # ABORT: text follows
+    return (Kind(kind), microbatch, key, count, bool(atomic), bool(reshaped), origin, specs,
+            values)

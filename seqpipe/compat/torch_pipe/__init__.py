@@ -4,7 +4,7 @@ Code written for torch's ``Pipe`` ports by changing its imports —
 ``torch.distributed.pipeline.sync`` becomes ``seqpipe.compat.torch_pipe``, submodules
 included::
 
-    from seqpipe.compat.torch_pipe import Pipe, WithDevice
+    from seqpipe.compat.torch_pipe import NoChunk, Pipe, WithDevice
     from seqpipe.compat.torch_pipe.skip import Namespace, pop, skippable, stash
     from seqpipe.compat.torch_pipe.utils import partition_model
 
@@ -17,9 +17,10 @@ included::
 from __future__ import annotations
 
 from seqpipe.checkpoint import is_checkpointing, is_recomputing
-from seqpipe.compat.torch_pipe import skip, utils
+from seqpipe.compat.torch_pipe import microbatch, skip, utils
+from seqpipe.compat.torch_pipe.microbatch import NoChunk
 from seqpipe.compat.torch_pipe.pipe import Pipe, PipeSequential, WithDevice
 from seqpipe.compat.torch_pipe.rref import LocalRRef
 
-__all__ = ["Pipe", "WithDevice", "PipeSequential", "LocalRRef", "is_checkpointing",
-           "is_recomputing", "skip", "utils"]
+__all__ = ["Pipe", "WithDevice", "PipeSequential", "LocalRRef", "NoChunk", "is_checkpointing",
+           "is_recomputing", "microbatch", "skip", "utils"]

@@ -153,8 +153,12 @@ class Pipe(PeerPipe, _SeqPipe):
     def forward(self, *inputs: TensorOrTensors) -> LocalRRef[TensorOrTensors]:  # type: ignore[override]
         """Run the mini-batch through the pipeline; the output is on the last device.
 
-        Several inputs are passed to the first layer as positional arguments, as in torch;
-        each must be a tensor with the batch on dim 0. An empty pipe returns its input.
+        Several inputs are passed to the first layer as positional arguments, as in torch:
+        tensors with the batch on dim 0 (cut into micro-batches), tensors wrapped in
+        :class:`~seqpipe.compat.torch_pipe.microbatch.NoChunk` (given whole to every
+        micro-batch) and non-tensor values (given unchanged to every micro-batch); at least
+        one must be a tensor to cut. A non-tensor in the output comes back as the list of
+        its micro-batches' values. An empty pipe returns its input.
         """
         if not inputs:
             raise TypeError("Pipe needs at least one input tensor, with the batch on dim 0")
