@@ -32,6 +32,15 @@ about as much as it. With torchgpipe installed, its rows for the same modes are 
 
 Target: ``saved(always) / saved(never)`` ≤ 25 %.
 
+``--every`` compares ``checkpoint_every=N`` instead (seqpipe only, ``checkpoint="always"``):
+rows for N = 1, 2, the whole partition (``N`` = None) and no checkpointing (``never``),
+with the median step time (wall clock, forward and backward) beside the two figures.
+Each layer is its own segment at N = 1, so the forward keeps every layer's input; the
+backward then holds one segment's recomputed activations at a time. That pays where a
+layer keeps more inside than its input: ``--blocks`` makes every layer an MLP block,
+``Linear(width, 4 width)``, GELU, ``Linear(4 width, width)`` (a transformer's feed-forward),
+instead of a lone Linear or ReLU.
+
 Run: ``PYTHONPATH=. python benchmarks/memory.py`` (``--help`` for sizes).
 """
 from __future__ import annotations
@@ -97,16 +106,27 @@ class PeakSampler:
         self.peak = max(self.peak, in_use())
 
 
-def build(impl: str, mode: str, width: int, depth: int, chunks: int) -> nn.Module:
-    model = clone(make_model(width, 2 * depth))
-    balance = [2 * depth, 2 * depth]
+def mlp_blocks(width: int, depth: int) -> nn.Sequential:
+    """``depth`` MLP blocks (Linear(width, 4 width), GELU, Linear(4 width, width)), each one
+    layer of the Sequential."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                         nn.Linear(4 * width, width)) for _ in range(depth)))
+
+
+def build(impl: str, mode: str, width: int, depth: int, chunks: int,
+          blocks: bool = False) -> nn.Module:
+    """``mode`` may name a ``checkpoint_every`` after an ``@``: ``"always@2"``."""
+    model = mlp_blocks(width, 2 * depth) if blocks else clone(make_model(width, 2 * depth))
+    balance = [len(model) // 2] * 2
     if impl == "plain":
         return model
     if impl == "seqpipe":
         from seqpipe import Pipe
 
+        mode, _, every = mode.partition("@")
         return Pipe(model, chunks=chunks, checkpoint=mode, balance=balance,
-                    devices=["cpu", "cpu"])
+                    devices=["cpu", "cpu"], checkpoint_every=int(every) if every else None)
     if impl == "torchgpipe":
         from torchgpipe import GPipe
 
@@ -116,34 +136,39 @@ def build(impl: str, mode: str, width: int, depth: int, chunks: int) -> nn.Modul
 
 
 def child(impl: str, mode: str, width: int, depth: int, batch: int, chunks: int,
-          steps: int) -> Dict[str, float]:
-    """Measure one (implementation, mode) in this process; returns bytes."""
+          steps: int, blocks: bool = False) -> Dict[str, float]:
+    """Measure one (implementation, mode) in this process; returns bytes (and seconds)."""
     torch.set_num_threads(1)
-    module = build(impl, mode, width, depth, chunks)
+    module = build(impl, mode, width, depth, chunks, blocks)
     x = torch.randn(batch, width)
     saved: List[int] = []
     peaks: List[int] = []
+    times: List[float] = []
     for step in range(steps + 1):
         for p in module.parameters():
             p.grad = None
         base = in_use()
         with PeakSampler() as sampler:
+            start = time.perf_counter()
             out = module(x)
             after_forward = in_use()
             out.sum().backward()
+            elapsed = time.perf_counter() - start
             del out
         if step:  # the first step is a warm-up
             saved.append(after_forward - base)
             peaks.append(sampler.peak - base)
+            times.append(elapsed)
     grads = sum(p.numel() * p.element_size() for p in module.parameters())
     return {"saved": statistics.median(saved), "peak": statistics.median(peaks),
-            "grads": float(grads)}
+            "grads": float(grads), "seconds": statistics.median(times)}
 
 
 def run_child(impl: str, mode: str, args: argparse.Namespace) -> Dict[str, float]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, mode,
            "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch),
-           "--chunks", str(args.chunks), "--steps", str(args.steps)]
+           "--chunks", str(args.chunks), "--steps", str(args.steps)] + (
+               ["--blocks"] if args.blocks else [])
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -157,14 +182,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="measured steps per mode")
     parser.add_argument("--impl", nargs="+", default=["plain", "seqpipe", "torchgpipe"],
                         choices=("plain", "seqpipe", "torchgpipe"))
+    parser.add_argument("--every", action="store_true",
+                        help="compare checkpoint_every = 1, 2, whole partition, never")
+    parser.add_argument("--blocks", action="store_true",
+                        help="every layer an MLP block (Linear, GELU, Linear; 4x wide inside)")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         impl, mode = args.child
         print(json.dumps(child(impl, mode, args.width, args.depth, args.batch, args.chunks,
-                               args.steps)))
+                               args.steps, args.blocks)))
         return 0
 
+    if args.every:
+        return every_table(args)
     impls = list(args.impl)
     if "torchgpipe" in impls:
         try:
@@ -204,6 +235,25 @@ def main(argv: Optional[List[str]] = None) -> int:
             line += f"  (target saved <= {TARGET * 100:.0f} %: "
             line += "MET)" if saved <= TARGET else "MISSED)"
         print(line)
+    return 0
+
+
+def every_table(args: argparse.Namespace) -> int:
+    """seqpipe rows for ``checkpoint_every`` = 1, 2, the whole partition, and never."""
+    unit = args.batch * args.width * 4
+    layers = (f"{args.depth} MLP blocks ({args.width} -> {4 * args.width} -> {args.width})"
+              if args.blocks else f"{args.depth} x (Linear({args.width}) + ReLU) = "
+              f"{2 * args.depth} layers")
+    print(f"# torch {torch.__version__}; model 2 partitions x {layers} per partition, batch "
+          f"{args.batch}, chunks {args.chunks}; median of {args.steps} steps after 1 "
+          f"warm-up, one subprocess per row; one batch of activations = {unit / MiB:.1f} MiB")
+    print(f"{'checkpoint':<12} {'every':>6} {'saved MiB':>10} {'(batches)':>10} "
+          f"{'peak MiB':>9} {'step ms':>8}")
+    for mode, every in (("always", "1"), ("always", "2"), ("always", "whole"),
+                        ("never", "-")):
+        r = run_child("seqpipe", mode if every in ("whole", "-") else f"{mode}@{every}", args)
+        print(f"{mode:<12} {every:>6} {r['saved'] / MiB:>10.1f} {r['saved'] / unit:>10.2f} "
+              f"{r['peak'] / MiB:>9.1f} {r['seconds'] * 1e3:>8.1f}", flush=True)
     return 0
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from typing import List, Optional
 
-__all__ = ["integer", "check_chunks", "layer_counts"]
+__all__ = ["integer", "check_checkpoint_every", "check_chunks", "layer_counts"]
 
 
 def integer(value: object) -> Optional[int]:
@@ -30,6 +30,20 @@ def check_chunks(chunks: object) -> int:
     if count is None or count <= 0:
         raise ValueError(f"chunks must be a positive int (the number of micro-batches), "
                          f"got {chunks!r}")
+    return count
+
+
+def check_checkpoint_every(every: object) -> Optional[int]:
+    """A valid ``checkpoint_every`` (layers per checkpointed segment) as an int, or None
+    (the whole partition is one segment), else ``ValueError``."""
+    if every is None:
+        return None
+    count = integer(every)
+    if count is None or count <= 0:
+        raise ValueError(
+            f"checkpoint_every must be a positive int (checkpoint each run of that many "
+            f"consecutive layers of a partition separately) or None (the whole partition "
+            f"at once), got {every!r}")
     return count
 
 

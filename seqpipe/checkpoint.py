@@ -26,8 +26,8 @@ if torch.distributed.is_available():
 
 from seqpipe.rng import isolated_rng
 
-__all__ = ["MODES", "Replay", "check_mode", "checkpoint_stop", "first_pass", "is_checkpointing",
-           "is_recomputing", "run_task"]
+__all__ = ["MODES", "Replay", "check_mode", "checkpoint_stop", "checkpointed", "first_pass",
+           "is_checkpointing", "is_recomputing", "run_task"]
 
 MODES = ("always", "except_last", "never")
 
@@ -96,13 +96,25 @@ def run_task(function: Callable[..., Any], args: Tuple[Any, ...], *, checkpoint:
     if not checkpoint:
         with _rng(seed):
             return function(*args)
+    return checkpointed(function, args, lambda: (_rng(seed), _rng(seed)),
+                        preserve_rng_state=seed is None)
 
+
+RngContexts = Callable[[], Tuple[ContextManager[Any], ContextManager[Any]]]
+
+
+def checkpointed(function: Callable[..., Any], args: Tuple[Any, ...], rng: RngContexts, *,
+                 preserve_rng_state: bool) -> Any:
+    """``function(*args)`` under ``torch.utils.checkpoint`` (non-reentrant), its forward
+    flagged ``is_checkpointing()`` and its recomputation ``is_recomputing()``; ``rng()``,
+    called as the checkpoint starts, gives the random contexts of the two passes."""
     def contexts() -> Tuple[ContextManager[None], ContextManager[None]]:
-        return (_entered(_flag("checkpointing"), _rng(seed)),
-                _entered(_flag("recomputing"), _rng(seed)))
+        forward, recompute = rng()
+        return (_entered(_flag("checkpointing"), forward),
+                _entered(_flag("recomputing"), recompute))
 
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts,
-                            preserve_rng_state=seed is None)
+                            preserve_rng_state=preserve_rng_state)
 
 
 @dataclass

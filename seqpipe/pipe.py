@@ -7,7 +7,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from seqpipe.arguments import check_chunks
+from seqpipe.arguments import check_checkpoint_every, check_chunks
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather, gather_grad
@@ -110,6 +110,10 @@ class Pipe(nn.Module):
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or
             ``"never"``: which micro-batches drop their activations and recompute them in
             backward. Off in eval mode and under ``torch.no_grad()``.
+        checkpoint_every: checkpoint each run of this many consecutive layers of a
+            partition separately (DeepSpeed's ``activation_checkpoint_interval``), so the
+            backward recomputes one run at a time; default None: the whole partition at
+            once. The mode still says which micro-batches are checkpointed.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch,
             from all its micro-batches, instead of once per micro-batch.
         balance: number of layers in each partition.
@@ -118,11 +122,13 @@ class Pipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, chunks: int = 1, checkpoint: str = "except_last",
                  deferred_batch_norm: bool = False, *, balance: Optional[Sequence[int]] = None,
-                 devices: Optional[Sequence[Device]] = None) -> None:
+                 devices: Optional[Sequence[Device]] = None,
+                 checkpoint_every: Optional[int] = None) -> None:
         super().__init__()
         verify_module(module)
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
+        self.checkpoint_every = check_checkpoint_every(checkpoint_every)
         if balance is None:
             if devices is not None:
                 raise ValueError("devices is given without balance; give balance too, or "
@@ -140,7 +146,7 @@ class Pipe(nn.Module):
         self.balance: List[int] = list(balance)
         self.devices: List[torch.device] = list(placed)
         self.partitions: List[nn.Sequential] = partitions  # views: not registered twice
-        stages = [Stage(i, part, dev, layout)
+        stages = [Stage(i, part, dev, layout, checkpoint_every=self.checkpoint_every)
                   for i, (part, dev) in enumerate(zip(partitions, placed))]
         self._pipeline = LocalPipeline(stages, layout)
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["draw_seeds", "isolated_rng", "needs_private_rng"]
+__all__ = ["PrivateStreams", "draw_seeds", "isolated_rng", "needs_private_rng"]
 
 _aten = torch.ops.aten
 _NO_GENERATOR = object()
@@ -84,10 +84,13 @@ def _device_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.device:
 class _PrivateGenerator(TorchDispatchMode):
     """Gives every random op that was not handed a generator the task's own, per device."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int,
+                 states: Optional[Dict[torch.device, Tensor]] = None) -> None:
         super().__init__()
         self.seed = seed
-        self.generators: Dict[torch.device, torch.Generator] = {}
+        self.generators: Dict[torch.device, torch.Generator] = {
+            device: torch.Generator(device=device).set_state(state)
+            for device, state in (states or {}).items()}
 
     def _generator(self, device: torch.device) -> Optional[torch.Generator]:
         if device.type == "meta":
@@ -146,3 +149,32 @@ def isolated_rng(seed: int) -> Iterator[None]:
     """Within the block, random ops in this thread draw from generators seeded ``seed``."""
     with _PrivateGenerator(seed):
         yield
+
+
+class PrivateStreams:
+    """One task's private generators, followed across the pieces of its forward.
+
+    A partition checkpointed N layers at a time (``seqpipe.segments``) runs its forward
+    under ``live()``, one stream from the task's seed as for the whole partition, so the
+    pieces draw what the whole would. ``mark()`` notes where the generators stand when a
+    piece starts; ``replay(mark)`` gives the piece's recomputation generators that start
+    there, so it draws the piece's forward values again.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._mode = _PrivateGenerator(seed)
+
+    def live(self) -> TorchDispatchMode:
+        """The forward's generators, to enter once around all the pieces."""
+        return self._mode
+
+    def mark(self) -> Dict[torch.device, Tensor]:
+        """The state of every generator drawn from so far (the others are still fresh)."""
+        return {device: g.get_state() for device, g in self._mode.generators.items()}
+
+    @contextmanager
+    def replay(self, mark: Dict[torch.device, Tensor]) -> Iterator[None]:
+        """Within the block, random ops draw from generators restored to ``mark``."""
+        with _PrivateGenerator(self.seed, mark):
+            yield

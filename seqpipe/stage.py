@@ -23,6 +23,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from seqpipe.batchnorm import DeferredBatchNorm
 from seqpipe.checkpoint import Replay, first_pass, run_task
 from seqpipe.microbatch import Batch
+from seqpipe.segments import run_segments, segments_of, skips_between
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
@@ -149,13 +150,16 @@ class Stage:
     """A partition on its device, run one micro-batch task at a time."""
 
     def __init__(self, index: int, partition: nn.Sequential, device: torch.device,
-                 layout: SkipLayout) -> None:
+                 layout: SkipLayout, *, checkpoint_every: Optional[int] = None) -> None:
         self.index = index
         self.partition = partition
         self.device = device
         self.layout = layout
         self.crossing: Crossing = frozenset(k.key for k in layout if k.crosses).__contains__
         self.outgoing = frozenset(k.key for k in layout.skips_stashed_by(index))
+        self.segments = segments_of(partition, checkpoint_every)  # [] : checkpointed whole
+        self.between = skips_between(layout, index, checkpoint_every) if self.segments \
+            else frozenset()
 
     def parameters(self) -> List[nn.Parameter]:
         """The parameters that receive gradients, in a fixed order."""
@@ -174,16 +178,23 @@ class Stage:
         The input's non-tensor values come from ``like`` (the recomputation gets the same).
         """
         atomic, constants = like.atomic, like.constants  # not its tensors: not kept alive
+        layers = self._layers(tracker, sink)
 
         def run(*tensors: Tensor) -> Any:
             if protect:
                 tensors = tuple(t.clone() for t in tensors)
-            value = Batch(tensors, atomic, constants).value
+            return layers(self.partition, Batch(tensors, atomic, constants).value)
+        return run
+
+    def _layers(self, tracker: StageSkipTracker,
+                sink: Optional[GradSink]) -> Callable[[nn.Module, Any], Any]:
+        """Runs some of the partition's layers (all, or a segment) with the task's tracker."""
+        def call(layers: nn.Module, value: Any) -> Any:
             with use_skip_tracker(tracker):
                 if sink is None:
-                    return self.partition(value)
-                return sink.call(self.index, self.partition, value)
-        return run
+                    return layers(value)
+                return sink.call(self.index, layers, value)
+        return call
 
     def forward(self, received: Received, *, grad: bool, checkpoint: bool = False,
                 seed: Optional[int] = None, sink: Optional[GradSink] = None,
@@ -249,8 +260,13 @@ class Stage:
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         tracker.replaying = replaying
-        out = run_task(self._call(tracker, received.inputs, checkpoint, sink), inputs,
-                       checkpoint=checkpoint, seed=seed)
+        if checkpoint and self.segments:  # checkpoint_every: segment by segment
+            tracker.between = self.between
+            out = run_segments(self.segments, self._layers(tracker, sink),
+                               received.inputs.like(inputs).value, seed=seed)
+        else:
+            out = run_task(self._call(tracker, received.inputs, checkpoint, sink), inputs,
+                           checkpoint=checkpoint, seed=seed)
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
         state.skip_roots = {k: _edge(t) for k, t in sent.skips.items()}

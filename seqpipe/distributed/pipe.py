@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from seqpipe.arguments import check_checkpoint_every
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
 from seqpipe.distributed.accumulate import StepGrads
@@ -99,6 +100,9 @@ class DistributedPipe(nn.Module):
             ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zb"``, ``"zbv"``,
             ``"dualpipev"``), or any ``seqpipe.schedule.Schedule`` or ``StagedSchedule``.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        checkpoint_every: checkpoint each run of this many consecutive layers of a stage
+            separately (DeepSpeed's ``activation_checkpoint_interval``); default None:
+            the whole stage at once.
         deferred_batch_norm: BatchNorm running statistics once per mini-batch.
         group: the pipeline's process group.
         device: where this stage runs (default: the current CUDA device, else CPU).
@@ -117,7 +121,8 @@ class DistributedPipe(nn.Module):
                  deferred_batch_norm: bool = False, group: Optional[dist.ProcessGroup] = None,
                  device: Union[str, torch.device, None] = None,
                  data_parallel_group: Optional[dist.ProcessGroup] = None,
-                 broadcast_buffers: bool = True, base_seed: Optional[int] = None) -> None:
+                 broadcast_buffers: bool = True, base_seed: Optional[int] = None,
+                 checkpoint_every: Optional[int] = None) -> None:
         super().__init__()
         verify_module(module)
         if not dist.is_available() or not dist.is_initialized():
@@ -131,6 +136,7 @@ class DistributedPipe(nn.Module):
             raise ValueError("this rank is not a member of the pipeline group")
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_mode(checkpoint)
+        self.checkpoint_every = check_checkpoint_every(checkpoint_every)
         self.schedule = get_schedule(schedule)
         self.placement = placement_of(self.schedule, self.num_ranks)
         self.num_stages = self.placement.num_stages
@@ -169,7 +175,8 @@ class DistributedPipe(nn.Module):
         if deferred_batch_norm:
             convert_deferred_batch_norm(partition)
         object.__setattr__(self, "partition", partition)  # a view: its layers are registered
-        self._stages = {s: Stage(s, partitions[s], self.device, layout) for s in self.stages}
+        self._stages = {s: Stage(s, partitions[s], self.device, layout,
+                                 checkpoint_every=self.checkpoint_every) for s in self.stages}
         self._stage = self._stages[self.stage_index]
         self._layout = layout
         reverse = reverse_group(group)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, Optional, Set, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, Optional, Set, Tuple
 
 from torch import Tensor
 
@@ -99,14 +99,25 @@ class StageSkipTracker(SkipTracker):
         # A split backward's recomputation (seqpipe.stage) replaces the first run's graph:
         # it keeps its outgoing stashes, whose gradients flow through the new graph.
         self.replaying = False
+        # Local skips whose stash and pop lie in two checkpointed segments of the partition
+        # (seqpipe.segments): ``kept`` holds each from its stash until the task is done, for
+        # the popping segment's recomputation, which runs before (and without) the stash's.
+        self.between: FrozenSet[SkipKey] = frozenset()
+        self.kept: Dict[SkipKey, Optional[Tensor]] = {}
 
     def stash(self, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        if not self.crossing((ns, name)):
+        if (ns, name) in self.between:
+            if not is_recomputing():
+                self.kept[(ns, name)] = tensor
+        elif not self.crossing((ns, name)):
             super().stash(ns, name, tensor)
         elif not is_recomputing() or self.replaying:
             self.outgoing[(ns, name)] = tensor
 
     def pop(self, ns: Namespace, name: str) -> Optional[Tensor]:
+        if (ns, name) in self.kept:
+            tensor = self.kept[(ns, name)]  # popped again by the recomputation: a copy
+            return None if tensor is None else tensor.clone()
         if not self.crossing((ns, name)):
             return super().pop(ns, name)
         tensor = self.received[(ns, name)]
