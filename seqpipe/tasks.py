@@ -49,8 +49,9 @@ def split_target(target: Any, m: int) -> Tuple[List[Any], List[float]]:
     """``target`` cut like an input of ``m`` micro-batches, and each piece's weight in the
     mini-batch loss (its share of the samples)."""
     if target is None:
-        raise ValueError("the last stage needs the target; pass it on the rank that holds "
-                         "it (pipe.is_last)")
+        raise ValueError("the target is None, but the last stage needs it for the loss; "
+                         "pass it (to DistributedPipe, on the rank that holds the last "
+                         "stage: pipe.is_last)")
     pieces = scatter(target, m)
     if len(pieces) != m:
         raise ValueError(f"the target has {len(pieces)} samples but the input was cut into "
@@ -116,6 +117,14 @@ class Tasks:
         """Hand the gradients of what stage ``s`` received back to their senders."""
         raise NotImplementedError
 
+    def output_grads(self, s: int, i: int) -> Tuple[Optionals, Dict[SkipKey, Optional[Tensor]]]:
+        """The gradients stage ``s``'s backward of micro-batch ``i`` starts from: on the last
+        stage, that of the loss (``seed``, else 1); elsewhere, what ``receive_backward`` gets."""
+        if s == self.num_stages - 1:
+            device = self.stages[s].device
+            return (self.seed if self.seed is not None else torch.ones((), device=device),), {}
+        return self.receive_backward(s, i)
+
     def _sink(self, s: int, i: int) -> Optional[GradSink]:
         return None
 
@@ -166,12 +175,7 @@ class Tasks:
         """Run ``B(s, i)`` (or, with ``split``, ``I(s, i)``: the input gradients only):
         receive gradients, backpropagate, send gradients back."""
         stage = self.stages[s]
-        if s == self.num_stages - 1:
-            seed = self.seed if self.seed is not None else torch.ones((), device=stage.device)
-            grads: Optionals = (seed,)
-            skip_grads: Dict[SkipKey, Optional[Tensor]] = {}
-        else:
-            grads, skip_grads = self.receive_backward(s, i)
+        grads, skip_grads = self.output_grads(s, i)
         if split:
             received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
         else:
