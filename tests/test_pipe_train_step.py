@@ -313,3 +313,25 @@ def test_ddp_argument_must_wrap_this_pipe() -> None:
     pipe = Pipe(plain_model(False, 5), chunks=2, balance=[2, 3], devices=["cpu"] * 2)
     with pytest.raises(ValueError, match="wraps this pipe"):
         pipe.train_step(*data(4), nn.functional.mse_loss, ddp=nn.Linear(1, 1))
+
+
+# -- CUDA (skipped without a GPU) ------------------------------------------------------------
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+CUDA_DEVICES = [["cpu", "cuda:0"], ["cuda:0", "cuda:0"]] + (
+    [["cuda:0", "cuda:1"]] if GPUS >= 2 else [])
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", CUDA_DEVICES, ids=lambda d: "-".join(d))
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_partitions(devices: List[str], schedule: str) -> None:
+    model = plain_model(True, 5)
+    x, y = data(11)
+    loss_ref, grads_ref = reference(model, x, y)
+    pipe = Pipe(model, chunks=4, balance=[2, 3], devices=devices)
+    loss = pipe.train_step(x.to(devices[0]), y.to(devices[-1]), nn.functional.mse_loss,
+                           schedule=schedule)
+    assert loss.device == torch.device(devices[-1])
+    torch.testing.assert_close(loss.cpu(), loss_ref)
+    for p, g in zip(model.parameters(), grads_ref):
+        torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-9, atol=1e-11)
