@@ -13,6 +13,7 @@ under a schedule (``Pipe.train_step``, whose last stage starts its backward from
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Set, Tuple
 
 from torch import Tensor
@@ -23,7 +24,7 @@ from seqpipe.sink import GradSink
 from seqpipe.skip.tracker import SkipKey
 from seqpipe.stage import Grads, Received, Sent
 from seqpipe.tasks import LossFn, Optionals, Tasks
-from seqpipe.worker import Mailbox, Program
+from seqpipe.worker import Mailbox, Program, device_context
 
 if TYPE_CHECKING:
     from seqpipe.pipeline import LocalPipeline, LocalRun
@@ -105,10 +106,19 @@ class LocalStep(Tasks):
         return has(("grad", s, i)) and all(
             has(("skipgrad", s, i, skip.key)) for skip in layout.skips_stashed_by(s))
 
-    def program(self, s: int, actions: Sequence[Action], targets: Optional[Sequence[Any]] = None,
+    def program(self, actions: Sequence[Action], targets: Optional[Sequence[Any]] = None,
                 loss_fn: Optional[LossFn] = None, weights: Sequence[float] = ()) -> Program:
-        """Stage ``s``'s ``actions`` (each naming its stage) as a worker program."""
-        def execute(action: Action) -> None:
-            self.run(action, None, targets, loss_fn, weights)
+        """A worker program of ``actions`` (each naming its stage; of one stage, or of the
+        stages a schedule places on one rank). It is named after its first stage, and runs
+        in that stage's device context; another stage's actions enter their own."""
+        first = actions[0].stage
+        assert first is not None
+        device = self.stages[first].device
 
-        return Program(s, actions, self.ready, execute, self.stages[s].device)
+        def execute(action: Action) -> None:
+            assert action.stage is not None
+            own = self.stages[action.stage].device
+            with nullcontext() if own == device else device_context(own):
+                self.run(action, None, targets, loss_fn, weights)
+
+        return Program(first, actions, self.ready, execute, device)

@@ -191,8 +191,9 @@ class Pipe(nn.Module):
 
         ``schedule``: ``"1f1b"`` (at most ``K - s`` micro-batches' activations alive on
         partition ``s``), ``"fill_drain"``/``"gpipe"`` (all of them, as ``forward`` +
-        ``backward``), ``"zb_h1"``, ``"zb_h2"``, or a ``seqpipe.schedule.Schedule`` (one
-        stage per partition; schedules that put several stages on a device are refused).
+        ``backward``), any other built-in name, or a ``seqpipe.schedule.Schedule`` /
+        ``StagedSchedule``. Every partition is a stage; a schedule with ``V`` stages per
+        device runs them on ``len(balance) / V`` threads, as its placement says.
         ``loss_fn(output, target)`` runs on each micro-batch's output and slice of
         ``target`` (cut like the input) on the last partition's device; the returned loss
         is their mean weighted by micro-batch size (``loss_fn`` on the whole batch, for a

@@ -29,7 +29,14 @@ from torch import Tensor, nn
 
 from seqpipe.checkpoint import checkpoint_stop
 from seqpipe.microbatch import Batch, TensorOrTensors, check_input, scatter
-from seqpipe.schedule import Action, AnySchedule, get_schedule, placement_of, validate_schedule
+from seqpipe.schedule import (
+    Action,
+    AnySchedule,
+    ScheduleError,
+    get_schedule,
+    placement_of,
+    validate_schedule,
+)
 from seqpipe.schedule.protocol import staged_orders
 from seqpipe.tasks import LossFn, split_target
 
@@ -45,24 +52,46 @@ def _named(schedule: Union[str, AnySchedule]) -> str:
     return repr(schedule) if isinstance(schedule, str) else type(schedule).__name__
 
 
+def _ranks_for(schedule: AnySchedule, num_stages: int) -> Optional[int]:
+    """How many ranks (threads) run ``num_stages`` stages under ``schedule``: the most
+    for which its placement has that many stages; ``None`` if no count does."""
+    for ranks in range(num_stages, 0, -1):
+        if num_stages % ranks:
+            continue
+        try:
+            if placement_of(schedule, ranks).num_stages == num_stages:
+                return ranks
+        except ScheduleError:
+            continue
+    return None
+
+
+def _per_rank(schedule: AnySchedule) -> str:
+    try:
+        return str(placement_of(schedule, 2).num_stages // 2)
+    except ScheduleError:
+        return "several"
+
+
 def local_actions(schedule: Union[str, AnySchedule], num_partitions: int,
                   num_microbatches: int) -> List[List[Action]]:
-    """Each partition's actions under ``schedule``, checked, each naming its stage.
+    """Per rank (worker thread), its actions under ``schedule``, checked, each naming its
+    stage; every partition is a stage.
 
-    ``Pipe`` runs one stage per partition: a schedule that places several stages on one
-    device (interleaved, V-shaped) is refused with a ``ValueError`` saying what to use.
+    A one-stage-per-rank schedule gives each partition its own thread; one that places
+    ``V`` stages on a rank (interleaved, V-shaped) runs the ``num_partitions`` stages on
+    ``num_partitions / V`` threads, stage ``s`` on the thread its placement names.
     """
     resolved = get_schedule(schedule)
-    stages = placement_of(resolved, num_partitions).num_stages
-    if stages != num_partitions:
+    ranks = _ranks_for(resolved, num_partitions)
+    if ranks is None:
         raise ValueError(
-            f"schedule {_named(schedule)} runs {stages} stages on {num_partitions} "
-            f"partitions ({stages // num_partitions} per device); Pipe.train_step runs one "
-            f"stage per partition: use one of {', '.join(map(repr, ONE_STAGE_SCHEDULES))} "
-            f"or a one-stage-per-rank Schedule (or DistributedPipe, which runs several "
-            f"stages per rank)")
-    validate_schedule(resolved, num_partitions, num_microbatches)
-    return staged_orders(resolved, num_partitions, num_microbatches)
+            f"schedule {_named(schedule)} cannot place {num_partitions} partitions: it puts "
+            f"{_per_rank(resolved)} stages on each device, and every partition is a stage; "
+            f"give balance a multiple of that many entries, or use a one-stage-per-partition "
+            f"schedule: {', '.join(map(repr, ONE_STAGE_SCHEDULES))}")
+    validate_schedule(resolved, ranks, num_microbatches)
+    return staged_orders(resolved, ranks, num_microbatches)
 
 
 def input_grad(tensor: Tensor, j: int, microbatches: Sequence[Batch],

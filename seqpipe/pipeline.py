@@ -76,8 +76,8 @@ class LocalPipeline:
         run = self._open(m, grad)
         step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m))
         self._put_inputs(step, batches)
-        self._run_forwards(step, [[step.program(s, forward_phase(self._actions(s, m)))]
-                                  for s in range(k)])
+        self._run_forwards(step, [[step.program(forward_phase(self._actions(s, m)))]
+                                  for s in range(k)], concurrent=self._cpu_stages())
         return run
 
     def _open(self, m: int, grad: bool) -> LocalRun:
@@ -93,12 +93,13 @@ class LocalPipeline:
         for i, batch in enumerate(batches):
             step.mailbox.put(("act", 0, i), moved(batch, self.devices[0]))
 
-    def _run_forwards(self, step: LocalStep, groups: Sequence[List[Program]]) -> None:
-        """Run ``groups`` (containing forwards) one thread each; then commit deferred
-        BatchNorm statistics, or drop them if anything failed."""
+    def _run_forwards(self, step: LocalStep, groups: Sequence[List[Program]], *,
+                      concurrent: int) -> None:
+        """Run ``groups`` (containing forwards) one thread each (``concurrent`` of them on
+        CPU); then commit deferred BatchNorm statistics, or drop them if anything failed."""
         try:
             run_groups(groups, step.mailbox,
-                       ThreadState(concurrent=self._cpu_stages(), devices=self.devices))
+                       ThreadState(concurrent=concurrent, devices=self.devices))
         except BaseException:
             for stage in self.stages:
                 stage.finish_forward(failed=True)
@@ -137,7 +138,7 @@ class LocalPipeline:
         step = LocalStep(self, run)
         for i, grads in enumerate(grad_outputs):
             step.mailbox.put(("grad", k - 1, i), grads)
-        programs = [step.program(s, backward_phase(self._actions(s, m))) for s in range(k)]
+        programs = [step.program(backward_phase(self._actions(s, m))) for s in range(k)]
         inline = [p for p in programs if p.device.type != "cpu"]
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         run_groups([inline, *threaded] if inline else threaded, step.mailbox,
@@ -159,14 +160,15 @@ class LocalPipeline:
     def train_step(self, batches: Sequence[Batch], targets: Sequence[Any], weights: Sequence[float],
                    loss_fn: LossFn, actions: Sequence[Sequence[Action]], *,
                    checkpoint_stop: int) -> Tuple[LocalRun, Tensor]:
-        """Forward and backward every micro-batch in the order ``actions`` gives per stage
-        (each action naming its stage), each stage on its own thread.
+        """Forward and backward every micro-batch in the order ``actions`` gives, one list
+        per worker thread (``actions[r]``: rank ``r``'s, each naming its stage; one stage
+        per rank, or several under interleaved and V-shaped schedules).
 
         Returns the call (its ``sink`` holds the parameters' gradients, summed over
         micro-batches; ``input_grads`` the inputs') and the mini-batch loss: the sum of
         the micro-batch losses, each times its ``weights`` entry.
         """
-        m, k = len(batches), len(self.stages)
+        m = len(batches)
         run = self._open(m, True)
         run.input_grads = [()] * m
         split = {(a.stage, a.microbatch) for stage in actions for a in stage
@@ -174,6 +176,8 @@ class LocalPipeline:
         step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m),
                          split=split, from_loss=True)  # type: ignore[arg-type]
         self._put_inputs(step, batches)
-        self._run_forwards(step, [[step.program(s, actions[s], targets, loss_fn, weights)]
-                                  for s in range(k)])
+        self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
+                                  for rank in actions],
+                           concurrent=sum(self.devices[rank[0].stage].type == "cpu"  # type: ignore[index]
+                                          for rank in actions))
         return run, torch.stack(step.losses).sum()

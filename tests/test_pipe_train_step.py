@@ -104,6 +104,27 @@ def test_loss_and_gradients_equal_the_plain_model(schedule: str, checkpoint: str
     assert list(pipe.state_dict()) == list(plain_model(skips, sum(balance)).state_dict())
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zb",
+                                      "zbv", "dualpipev"])
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("skips", [False, True], ids=["plain", "skips"])
+def test_several_stages_per_device(schedule: str, checkpoint: str, skips: bool) -> None:
+    """Four partitions under a two-stages-per-rank schedule: two threads, each running the
+    stages its placement gives it, in its order."""
+    model = plain_model(skips, 8)
+    x, y = data(11)
+    loss_ref, grads_ref = reference(model, x, y)
+    pipe = Pipe(model, chunks=4, checkpoint=checkpoint, balance=[2, 2, 2, 2],
+                devices=["cpu"] * 4)
+    threads = set()
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: threads.add(threading.current_thread().name) or t, lambda t: t):
+        loss = pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)
+    assert len(threads) == 2  # the caller's (rank 0) and one stage thread (rank 1)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=0)
+    assert_grads(model.parameters(), grads_ref)
+
+
 def test_gradients_accumulate_over_steps_like_backward() -> None:
     model = plain_model(True, 5)
     x, y = data(8)
@@ -267,10 +288,12 @@ def test_target_of_another_batch_size_is_refused() -> None:
 
 
 @pytest.mark.parametrize("name", ["interleaved_1f1b", "zbv"])
-def test_schedules_with_several_stages_per_device_are_refused(name: str) -> None:
-    pipe = Pipe(plain_model(False, 5), chunks=2, balance=[2, 3], devices=["cpu"] * 2)
-    with pytest.raises(ValueError, match=f"'{name}'.*one stage per partition.*'1f1b'"):
+def test_several_stages_per_device_need_a_multiple_of_partitions(name: str) -> None:
+    pipe = Pipe(plain_model(False, 5), chunks=2, balance=[2, 2, 1], devices=["cpu"] * 3)
+    with pytest.raises(ValueError, match=f"'{name}' cannot place 3 partitions: it puts 2 "
+                                         f"stages on each device.*'1f1b'"):
         pipe.train_step(*data(4), nn.functional.mse_loss, schedule=name)
+    assert all(p.grad is None for p in pipe.parameters())
 
 
 def test_unknown_and_malformed_schedules_are_refused() -> None:
