@@ -14,7 +14,7 @@ under a schedule (``Pipe.train_step``, whose last stage starts its backward from
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
@@ -41,17 +41,18 @@ class LocalStep(Tasks):
     """
 
     def __init__(self, pipeline: "LocalPipeline", run: "LocalRun", *, checkpoint_stop: int = 0,
-                 seeds: Optional[Sequence[int]] = None, split: Set[Tuple[int, int]] = frozenset(),
+                 seeds: Optional[Sequence[int]] = None,
+                 split: AbstractSet[Tuple[int, int]] = frozenset(),
                  from_loss: bool = False) -> None:
         self.pipeline = pipeline
         self.record = run
         self.stages = dict(enumerate(pipeline.stages))
         self.grad = run.grad
         self.checkpoint_stop = checkpoint_stop
-        self.seed = None
+        self.seed: Optional[Tensor] = None
         self.split = set(split)
         self.states = run.states
-        self.losses = []
+        self.losses: List[Tensor] = []
         self.seeds = seeds
         self.from_loss = from_loss
         self.mailbox = Mailbox()

@@ -174,7 +174,7 @@ class LocalPipeline:
         split = {(a.stage, a.microbatch) for stage in actions for a in stage
                  if a.phase is Phase.BACKWARD_INPUT}
         step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m),
-                         split=split, from_loss=True)  # type: ignore[arg-type]
+                         split=split, from_loss=True)
         self._put_inputs(step, batches)
         self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
                                   for rank in actions],
