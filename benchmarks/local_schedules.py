@@ -4,6 +4,11 @@ Model: ``K`` partitions (2 and 4) × ``depth`` (Linear(width) + ReLU) on ``cpu``
 into ``M = 8`` micro-batches, ``checkpoint="never"`` (so every micro-batch's activations are
 kept until its backward, which is what a schedule changes). Per schedule:
 
+Under ``interleaved_1f1b`` and ``zbv`` (two stages per rank) the same layers are cut into
+``2K`` partitions run on ``K`` threads, and the figures are those of rank 0's thread
+(partitions 0 and 2, or 0 and ``2K - 1``), which holds the same layers as partition 0
+elsewhere.
+
 * ``saved``: the peak bytes of saved activations alive on partition 0 during one step.
   Measured with ``torch.autograd.graph.saved_tensors_hooks``, which ``Pipe`` carries into
   its stage threads: each saved tensor's bytes are counted (a tensor saved by two nodes,
@@ -34,7 +39,8 @@ from torch import Tensor, nn
 
 from seqpipe import Pipe
 
-SCHEDULES = ("fill_drain", "1f1b", "zb_h1", "zb_h2")
+SCHEDULES = ("fill_drain", "1f1b", "zb_h1", "zb_h2", "interleaved_1f1b", "zbv")
+STAGES_PER_RANK = {"interleaved_1f1b": 2, "zbv": 2}  # the others: 1
 MiB = float(1 << 20)
 
 
@@ -91,18 +97,21 @@ class _Token:
         self.tensor = tensor
 
 
-def build(k: int, width: int, depth: int, chunks: int) -> Pipe:
+def build(k: int, schedule: str, width: int, depth: int, chunks: int) -> Pipe:
+    """``k`` ranks of ``depth`` Linear+ReLU each: ``k`` partitions, or ``k * V`` under a
+    schedule with ``V`` stages per rank (the same layers per rank)."""
+    stages = k * STAGES_PER_RANK.get(schedule, 1)
     model = make_model(width, k * depth)
-    return Pipe(model, chunks=chunks, checkpoint="never", balance=[2 * depth] * k,
-                devices=["cpu"] * k)
+    return Pipe(model, chunks=chunks, checkpoint="never",
+                balance=[2 * depth * k // stages] * stages, devices=["cpu"] * stages)
 
 
 def measure_saved(k: int, schedule: str, args: argparse.Namespace) -> Tuple[float, float]:
     """Peak saved bytes of partition 0 in one step, and that in micro-batches."""
-    pipe = build(k, args.width, args.depth, args.chunks)
+    pipe = build(k, schedule, args.width, args.depth, args.chunks)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)  # warm-up
-    counter = SavedBytes(pipe, k)
+    counter = SavedBytes(pipe, len(pipe.partitions))  # threads: named after a partition
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)
     per_microbatch = counter.total[0] / args.chunks
@@ -112,7 +121,7 @@ def measure_saved(k: int, schedule: str, args: argparse.Namespace) -> Tuple[floa
 def step_times(k: int, args: argparse.Namespace) -> Dict[str, Tuple[float, float]]:
     """Per schedule: median step seconds, and its paired ratio to fill-drain's."""
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    pipes = {s: build(k, args.width, args.depth, args.chunks) for s in SCHEDULES}
+    pipes = {s: build(k, s, args.width, args.depth, args.chunks) for s in SCHEDULES}
 
     def step(schedule: str) -> Callable[[], None]:
         def run() -> None:
