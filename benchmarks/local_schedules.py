@@ -91,10 +91,16 @@ class SavedBytes:
 
 
 class _Token:
-    """Stands for one saved tensor in autograd's graph."""
+    """Stands for one saved tensor in autograd's graph.
+
+    It keeps the tensor detached: a tensor that is its own node's output (a ReLU's)
+    refers to that node, which refers to the token, a reference cycle that would keep
+    the graph alive past its backward until a garbage collection (where a backward
+    leaves nodes it did not run, as a split ``W`` does).
+    """
 
     def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()
 
 
 def build(k: int, schedule: str, width: int, depth: int, chunks: int) -> Pipe:

@@ -197,10 +197,14 @@ def test_deferred_batch_norm_matches_forward_backward() -> None:
 
 # -- memory: live micro-batches per partition, counted by saved-tensor hooks -------------
 class _Token:
-    """Stands for one saved tensor; alive as long as autograd keeps the tensor saved."""
+    """Stands for one saved tensor; alive as long as autograd keeps the tensor saved.
+
+    Detached: a tensor that is its node's output refers to the node, which refers to the
+    token, a cycle that would outlive a backward leaving that node unrun (a split W).
+    """
 
     def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()
 
 
 def _stage_of_thread() -> int:
@@ -242,6 +246,14 @@ def test_1f1b_keeps_at_most_k_minus_s_microbatches_alive(k: int) -> None:
     peaks = live_microbatches("1f1b", k, m)
     assert peaks == [k - s for s in range(k)]
     assert max(peaks) <= k < m
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_zero_bubble_memory_is_that_of_the_papers(k: int) -> None:
+    """ZB-H1 keeps 1F1B's peak (K) on every partition; ZB-H2 2K-1-s (W deferred)."""
+    m = 6
+    assert live_microbatches("zb_h1", k, m) == [k] * k
+    assert live_microbatches("zb_h2", k, m) == [2 * k - 1 - s for s in range(k)]
 
 
 @pytest.mark.parametrize("k", [2, 3])
