@@ -156,12 +156,12 @@ def main() -> None:
     for k in args.partitions:
         times = step_times(k, args)
         print(f"\nK = {k}")
-        print(f"{'schedule':<11} {'saved MiB':>10} {'micro-batches':>14} {'step ms':>9} "
+        print(f"{'schedule':<17} {'saved MiB':>10} {'micro-batches':>14} {'step ms':>9} "
               f"{'vs fill_drain':>14}")
         for schedule in SCHEDULES:
             saved, microbatches = measure_saved(k, schedule, args)
             median, ratio = times[schedule]
-            print(f"{schedule:<11} {saved / MiB:>10.2f} {microbatches:>14.2f} "
+            print(f"{schedule:<17} {saved / MiB:>10.2f} {microbatches:>14.2f} "
                   f"{median * 1e3:>9.1f} {ratio:>13.2f}x")
 
 
