@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from seqpipe.arguments import check_checkpoint_every, check_chunks
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
-from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather, gather_grad
+from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.partition import (
     Device,
     refuse_meta,
@@ -18,9 +18,12 @@ from seqpipe.partition import (
     split_by_placement,
     verify_module,
 )
+from seqpipe.pipe_step import TrainStep, input_grad
 from seqpipe.pipeline import LocalPipeline, LocalRun
+from seqpipe.schedule import AnySchedule
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
+from seqpipe.tasks import LossFn
 
 __all__ = ["Pipe"]
 
@@ -82,16 +85,12 @@ class _Call:
         per_mb = [tuple(None if g is None else g.split(sizes)[i] for g in grads)
                   for i in range(len(sizes))]
         sums = self.pipe._pipeline.backward(self.run, per_mb)
-        input_grads = [self._input_grad(j, t) for j, t in enumerate(self.input.batch.tensors)]
+        input_grads = [self._input_grad(j) for j in range(len(self.input.batch.tensors))]
         return input_grads + [sums.get(p) for p in self.params]
 
-    def _input_grad(self, j: int, tensor: Tensor) -> Optional[Tensor]:
+    def _input_grad(self, j: int) -> Optional[Tensor]:
         assert self.run is not None
-        pieces = [g[j] if g else None for g in self.run.input_grads]
-        if not tensor.requires_grad:
-            return None
-        return gather_grad(pieces, [mb.tensors[j] for mb in self.microbatches],
-                           self.input.whole[j], tensor.device)
+        return input_grad(self.input, j, self.microbatches, self.run.input_grads)
 
 
 class Pipe(nn.Module):
@@ -149,6 +148,7 @@ class Pipe(nn.Module):
         stages = [Stage(i, part, dev, layout, checkpoint_every=self.checkpoint_every)
                   for i, (part, dev) in enumerate(zip(partitions, placed))]
         self._pipeline = LocalPipeline(stages, layout)
+        self._pending: Optional[TrainStep] = None  # a train_step run by DDP's forward
 
     # -- the Sequential face -----------------------------------------------------------
     def __len__(self) -> int:
@@ -190,8 +190,49 @@ class Pipe(nn.Module):
             warnings.warn(_COMPILE_WARNING, stacklevel=2)
         return self._run(input)
 
+    def train_step(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *,
+                   schedule: Union[str, AnySchedule] = "1f1b",
+                   ddp: Optional[nn.Module] = None) -> Tensor:
+        """Forward and backward one mini-batch under ``schedule``; return its loss.
+
+        ``schedule``: ``"1f1b"`` (at most ``K - s`` micro-batches' activations alive on
+        partition ``s``), ``"fill_drain"``/``"gpipe"`` (all of them, as ``forward`` +
+        ``backward``), any other built-in name, or a ``seqpipe.schedule.Schedule`` /
+        ``StagedSchedule``. Every partition is a stage; a schedule with ``V`` stages per
+        device runs them on ``len(balance) / V`` threads, as its placement says.
+        ``loss_fn(output, target)`` runs on each micro-batch's output and slice of
+        ``target`` (cut like the input) on the last partition's device; the returned loss
+        is their mean weighted by micro-batch size (``loss_fn`` on the whole batch, for a
+        mean-reduced one), detached. The gradients are added to ``.grad`` exactly as
+        ``loss_fn(pipe(input), target).backward()`` adds them (once per parameter, hooks
+        included); step the optimizer afterwards. With ``ddp``, the
+        ``DistributedDataParallel`` that wraps this pipe, the step runs through DDP's
+        forward and its gradients are averaged over the replicas once: call
+        ``ddp.module.train_step(x, y, loss_fn, ddp=ddp)``.
+        """
+        step = TrainStep(self, input, target, loss_fn, schedule)
+        if ddp is None:
+            handle = step.run(self)
+        else:
+            if getattr(ddp, "module", None) is not self:
+                raise ValueError("ddp must be the DistributedDataParallel that wraps this "
+                                 "pipe (ddp.module is the pipe): call "
+                                 "ddp.module.train_step(..., ddp=ddp)")
+            self._pending = step
+            try:
+                handle = ddp(input)
+            finally:
+                self._pending = None
+        if handle.requires_grad:
+            handle.backward()
+        assert step.loss is not None
+        return step.loss
+
     @torch.compiler.disable
     def _run(self, input: TensorOrTensors) -> TensorOrTensors:
+        if self._pending is not None:  # train_step(..., ddp=...): DDP's forward runs it
+            step, self._pending = self._pending, None
+            return step.run(self)
         given = Input.of(input)
         batch = given.batch
         params = [p for p in self.parameters() if p.requires_grad]

@@ -2,26 +2,32 @@
 
 A forward call runs every stage's forward actions of the fill-drain schedule; the
 matching backward call (from autograd, when the user backpropagates through the
-pipeline's output) runs their backward actions in reverse micro-batch order. Between
-stages a micro-batch is a device copy through the mailbox; a skip tensor goes straight
-from the stashing stage to the popping one, and its gradient straight back.
+pipeline's output) runs their backward actions in reverse micro-batch order. A training
+step (``train_step``) runs a schedule's forwards and backwards together, interleaved as the
+schedule orders them, each micro-batch's backward starting from its loss. The actions
+themselves are run by ``seqpipe.tasks`` (shared with the distributed engine), through a
+``seqpipe.local_step.LocalStep``. Between stages a micro-batch is a device copy through the
+mailbox; a skip tensor goes straight from the stashing stage to the popping one, and its
+gradient straight back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from seqpipe.local_step import LocalStep
 from seqpipe.microbatch import Batch
 from seqpipe.rng import draw_seeds, needs_private_rng
-from seqpipe.schedule import Action, FillDrain, Schedule, backward_phase, forward_phase
+from seqpipe.schedule import Action, FillDrain, Phase, Schedule, backward_phase, forward_phase
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Grads, Received, Stage, TaskState, moved, wants_grad
+from seqpipe.stage import Grads, Stage, TaskState, moved, wants_grad
 from seqpipe.stream import move
+from seqpipe.tasks import LossFn
 from seqpipe.thread_state import ThreadState
 from seqpipe.worker import Mailbox, Program, run_groups
 
@@ -60,66 +66,59 @@ class LocalPipeline:
         return sum(s.device.type == "cpu" for s in self.stages)
 
     def _actions(self, stage: int, m: int) -> List[Action]:
-        return list(self.schedule.actions(stage, len(self.stages), m))
+        return [Action(a.phase, a.microbatch, stage)
+                for a in self.schedule.actions(stage, len(self.stages), m)]
 
-    # -- forward -----------------------------------------------------------------------
+    # -- forward ---------------------------------------------------------------------
     def forward(self, batches: Sequence[Batch], *, grad: bool, checkpoint_stop: int) -> LocalRun:
         """Run every micro-batch through every stage; outputs land in ``run.outputs``."""
         m, k = len(batches), len(self.stages)
+        run = self._open(m, grad)
+        step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m))
+        self._put_inputs(step, batches)
+        self._run_forwards(step, [[step.program(forward_phase(self._actions(s, m)))]
+                                  for s in range(k)], concurrent=self._cpu_stages())
+        return run
+
+    def _open(self, m: int, grad: bool) -> LocalRun:
         run = LocalRun(m, grad, outputs=[None] * m)
         if grad:
             run.sink = GradSink([stage.partition for stage in self.stages])
-        seeds = draw_seeds(m * k) if self.isolate_rng else None
-        mailbox = Mailbox()
+        return run
+
+    def _seeds(self, m: int) -> Optional[List[int]]:
+        return draw_seeds(m * len(self.stages)) if self.isolate_rng else None
+
+    def _put_inputs(self, step: LocalStep, batches: Sequence[Batch]) -> None:
         for i, batch in enumerate(batches):
-            mailbox.put(("act", 0, i), moved(batch, self.devices[0]))
+            step.mailbox.put(("act", 0, i), moved(batch, self.devices[0]))
 
-        def program(s: int) -> Program:
-            popped = [skip.key for skip in self.layout.skips_popped_by(s)]
-
-            def ready(a: Action) -> bool:
-                i = a.microbatch
-                return mailbox.has(("act", s, i)) and all(
-                    mailbox.has(("skip", s, i, key)) for key in popped)
-
-            def execute(a: Action) -> None:
-                i = a.microbatch
-                inputs, flags = mailbox.take(("act", s, i))
-                skips = [mailbox.take(("skip", s, i, key)) for key in popped]
-                received = Received(inputs, dict(zip(popped, (t for t, _ in skips))),
-                                    flags + tuple(f for _, f in skips))
-                sent, state = self.stages[s].forward(
-                    received, grad=grad, checkpoint=grad and i < checkpoint_stop,
-                    seed=None if seeds is None else seeds[i * k + s],
-                    sink=run.sink)
-                if state is not None:
-                    run.states[(s, i)] = state
-                self._send_forward(mailbox, run, s, i, sent.outputs, sent.skips)
-
-            return Program(s, forward_phase(self._actions(s, m)), ready, execute,
-                           self.stages[s].device)
-
+    def _run_forwards(self, step: LocalStep, groups: Sequence[List[Program]], *,
+                      concurrent: int) -> None:
+        """Run ``groups`` (containing forwards) one thread each (``concurrent`` of them on
+        CPU); then commit deferred BatchNorm statistics, or drop them if anything failed."""
         try:
-            run_groups([[program(s)] for s in range(k)], mailbox,
-                       ThreadState(concurrent=self._cpu_stages(), devices=self.devices))
+            run_groups(groups, step.mailbox,
+                       ThreadState(concurrent=concurrent, devices=self.devices))
         except BaseException:
             for stage in self.stages:
                 stage.finish_forward(failed=True)
             raise
         for stage in self.stages:
             stage.finish_forward()
-        return run
 
     def _send_forward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int, outputs: Batch,
-                      skips: Dict[SkipKey, Optional[Tensor]]) -> None:
+                      skips: Dict[SkipKey, Optional[Tensor]],
+                      wants: Callable[[Optional[Tensor]], bool] = wants_grad) -> None:
         if s + 1 < len(self.stages):
-            mailbox.put(("act", s + 1, i), moved(outputs, self.devices[s + 1]))
+            batch, _ = moved(outputs, self.devices[s + 1])
+            mailbox.put(("act", s + 1, i), (batch, tuple(wants(t) for t in outputs.tensors)))
         else:
             run.outputs[i] = outputs.like([t.detach() for t in outputs.tensors])
         for key, tensor in skips.items():
             dest = self.layout.pop_partition(*key)
             mailbox.put(("skip", dest, i, key), (move(tensor, self.devices[dest]),
-                                                  wants_grad(tensor)))
+                                                  wants(tensor)))
 
     # -- backward ----------------------------------------------------------------------
     def backward(self, run: LocalRun,
@@ -136,33 +135,13 @@ class LocalPipeline:
                 "Run the forward again (there is no retain_graph for a Pipe)")
         m, k = run.num_microbatches, len(self.stages)
         run.input_grads = [()] * m
-        mailbox = Mailbox()
+        step = LocalStep(self, run)
         for i, grads in enumerate(grad_outputs):
-            mailbox.put(("grad", k - 1, i), grads)
-
-        def program(s: int) -> Program:
-            stashed = [skip.key for skip in self.layout.skips_stashed_by(s)]
-
-            def ready(a: Action) -> bool:
-                i = a.microbatch
-                return mailbox.has(("grad", s, i)) and all(
-                    mailbox.has(("skipgrad", s, i, key)) for key in stashed)
-
-            def execute(a: Action) -> None:
-                i = a.microbatch
-                grads = mailbox.take(("grad", s, i))
-                skip_grads = {key: mailbox.take(("skipgrad", s, i, key)) for key in stashed}
-                received = self.stages[s].backward(run.states.pop((s, i)), grads, skip_grads,
-                                                   sink=run.sink)
-                self._send_backward(mailbox, run, s, i, received)
-
-            return Program(s, backward_phase(self._actions(s, m)), ready, execute,
-                           self.stages[s].device)
-
-        programs = [program(s) for s in range(k)]
+            step.mailbox.put(("grad", k - 1, i), grads)
+        programs = [step.program(backward_phase(self._actions(s, m))) for s in range(k)]
         inline = [p for p in programs if p.device.type != "cpu"]
         threaded = [[p] for p in programs if p.device.type == "cpu"]
-        run_groups([inline, *threaded] if inline else threaded, mailbox,
+        run_groups([inline, *threaded] if inline else threaded, step.mailbox,
                    ThreadState(concurrent=len(threaded), devices=self.devices))
         return dict(run.sink.take()) if run.sink is not None else {}
 
@@ -176,3 +155,29 @@ class LocalPipeline:
         for key, grad in received.skips.items():
             src = self.layout.stash_partition(*key)
             mailbox.put(("skipgrad", src, i, key), move(grad, self.devices[src]))
+
+    # -- a training step under a schedule ----------------------------------------------
+    def train_step(self, batches: Sequence[Batch], targets: Sequence[Any], weights: Sequence[float],
+                   loss_fn: LossFn, actions: Sequence[Sequence[Action]], *,
+                   checkpoint_stop: int) -> Tuple[LocalRun, Tensor]:
+        """Forward and backward every micro-batch in the order ``actions`` gives, one list
+        per worker thread (``actions[r]``: rank ``r``'s, each naming its stage; one stage
+        per rank, or several under interleaved and V-shaped schedules).
+
+        Returns the call (its ``sink`` holds the parameters' gradients, summed over
+        micro-batches; ``input_grads`` the inputs') and the mini-batch loss: the sum of
+        the micro-batch losses, each times its ``weights`` entry.
+        """
+        m = len(batches)
+        run = self._open(m, True)
+        run.input_grads = [()] * m
+        split = {(a.stage, a.microbatch) for stage in actions for a in stage
+                 if a.phase is Phase.BACKWARD_INPUT}
+        step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m),
+                         split=split, from_loss=True)
+        self._put_inputs(step, batches)
+        self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
+                                  for rank in actions],
+                           concurrent=sum(self.devices[rank[0].stage].type == "cpu"  # type: ignore[index]
+                                          for rank in actions))
+        return run, torch.stack(step.losses).sum()

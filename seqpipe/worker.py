@@ -23,7 +23,7 @@ import torch
 from seqpipe.schedule import Action
 from seqpipe.thread_state import ThreadState
 
-__all__ = ["Mailbox", "Program", "run_groups"]
+__all__ = ["Mailbox", "Program", "device_context", "run_groups"]
 
 
 class _Aborted(Exception):
@@ -76,7 +76,8 @@ class Program:
     device: torch.device
 
 
-def _device_context(device: torch.device) -> Any:
+def device_context(device: torch.device) -> Any:
+    """``device`` current inside the block (nothing to do for the CPU)."""
     if device.type == "cpu" or device.index is None:
         return ExitStack()
     return torch.accelerator.device_index(device.index)
@@ -99,10 +100,11 @@ def _drive(programs: List[Program], mailbox: Mailbox) -> None:
         k = chosen[0]
         action = programs[k].actions[positions[k]]
         try:
-            with _device_context(programs[k].device):
+            with device_context(programs[k].device):
                 programs[k].execute(action)
         except Exception as exc:
-            exc.add_note(f"seqpipe: raised by stage {programs[k].stage} in the "
+            stage = programs[k].stage if action.stage is None else action.stage
+            exc.add_note(f"seqpipe: raised by stage {stage} in the "
                          f"{action.phase.value} of micro-batch {action.microbatch}")
             raise
         positions[k] += 1

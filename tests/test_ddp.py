@@ -68,5 +68,39 @@ def test_pipe_inside_ddp_needs_no_unused_parameter_search() -> None:
     assert set(counts.values()) == {1}
 
 
+def _train_step_worker(rank: int, world: int) -> None:
+    """``ddp.module.train_step(..., ddp=ddp)``: the gradients of one process on the global
+    batch, reduced once per step; under ``no_sync`` they accumulate locally until the next
+    synchronised step, as with ``ddp(x)`` + ``backward``."""
+    local = slice(rank * 8, rank * 8 + 8)
+    for schedule, mode, unused in (("1f1b", "except_last", False), ("zb_h1", "always", True),
+                                   ("fill_drain", "never", False)):
+        reference = _model()
+        pipe = Pipe(_model(), chunks=3, checkpoint=mode, balance=[3, 4], devices=["cpu"] * 2)
+        ddp = DistributedDataParallel(pipe, find_unused_parameters=unused)
+        x, y = _data(0)
+        loss = ddp.module.train_step(x[local], y[local], nn.functional.mse_loss,
+                                     schedule=schedule, ddp=ddp)
+        torch.testing.assert_close(loss, nn.functional.mse_loss(reference(x[local]), y[local]))
+        nn.functional.mse_loss(reference(x), y).backward()
+        for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-10), (schedule, mode, name)
+        x2, y2 = _data(1)
+        with ddp.no_sync():
+            ddp.module.train_step(x2[local], y2[local], nn.functional.mse_loss,
+                                  schedule=schedule, ddp=ddp)
+        ddp.module.train_step(x[local], y[local], nn.functional.mse_loss, schedule=schedule,
+                              ddp=ddp)
+        nn.functional.mse_loss(reference(x2), y2).backward()
+        nn.functional.mse_loss(reference(x), y).backward()
+        for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-10), (schedule, "no_sync", name)
+        dist.barrier()
+
+
+def test_train_step_through_ddp_matches_one_process_on_the_global_batch() -> None:
+    run_workers(_train_step_worker, 2, timeout=120)
+
+
 if __name__ == "__main__":
     pytest.main([__file__])

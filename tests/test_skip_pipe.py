@@ -759,9 +759,9 @@ def test_skip_goes_directly_and_its_gradient_comes_directly_back(
         return stage_forward(self, rec, **kwargs)
 
     def spy_send_forward(self: LocalPipeline, mailbox: Mailbox, run: Any, s: int, i: int,
-                         outputs: Any, skips: Any) -> None:
+                         outputs: Any, skips: Any, **kwargs: Any) -> None:
         forwards.append((s, i, tuple(name for _, name in skips)))
-        send_forward(self, mailbox, run, s, i, outputs, skips)
+        send_forward(self, mailbox, run, s, i, outputs, skips, **kwargs)
 
     def spy_send_backward(self: LocalPipeline, mailbox: Mailbox, run: Any, s: int, i: int,
                           grads: Any) -> None:

@@ -53,6 +53,7 @@ from seqpipe.schedule import (
 )
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
+from seqpipe.tasks import split_target
 
 __all__ = ["DistributedPipe"]
 
@@ -385,7 +386,7 @@ class DistributedPipe(nn.Module):
             mode = self.checkpoint if self.training else "never"
             call.checkpoint_stop = checkpoint_stop(mode, len(batches))
             if self.is_last:
-                targets, weights = self._split_target(target, len(batches))
+                targets, weights = split_target(target, len(batches))
         ends = [n for n, a in enumerate(actions) if a.phase in _LAST]
         for n in ends:  # each stage's last B or W: its gradients are final there
             call.grads[actions[n].stage] = StepGrads(self._stages[actions[n].stage],
@@ -409,17 +410,6 @@ class DistributedPipe(nn.Module):
                 self._tied.reduce_grads()  # after the replicas' mean: the two commute
         assert loss is not None
         return loss
-
-    def _split_target(self, target: Any, m: int) -> Tuple[List[Any], List[float]]:
-        if target is None:
-            raise ValueError("the last stage needs the target; pass it on the rank that holds "
-                             "it (pipe.is_last)")
-        pieces = scatter(target, m)
-        if len(pieces) != m:
-            raise ValueError(f"the target has {len(pieces)} samples but the input was cut into "
-                             f"{m} micro-batches; input and target need the same batch size")
-        sizes = [p.tensors[0].shape[0] for p in pieces]
-        return [p.value for p in pieces], [n / sum(sizes) for n in sizes]
 
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:

@@ -39,8 +39,9 @@ from seqpipe.schedule import (
     Placement,
     forward_phase,
     placement_of,
-    rank_orders,
 )
+from seqpipe.schedule.protocol import stage_named as _staged
+from seqpipe.schedule.protocol import staged_orders
 from seqpipe.skip.layout import SkipLayout
 
 __all__ = ["Planned", "OPENING", "call_actions", "messages", "closer", "channels",
@@ -80,14 +81,8 @@ def call_actions(schedule: AnySchedule, num_ranks: int, m: int,
                  grad: bool) -> List[List[Action]]:
     """What every rank runs in a call of ``m`` micro-batches (forwards only without grad),
     each action naming its stage (stage ``r`` on rank ``r`` for a one-stage schedule)."""
-    _, orders = rank_orders(schedule, num_ranks, m)
-    actions = [_staged(order, rank) for rank, order in enumerate(orders)]
+    actions = staged_orders(schedule, num_ranks, m)
     return actions if grad else [forward_phase(a) for a in actions]
-
-
-def _staged(actions: Sequence[Action], rank: int) -> List[Action]:
-    """``actions`` of ``rank``, each naming its stage (``rank`` where it names none)."""
-    return [a if a.stage is not None else Action(a.phase, a.microbatch, rank) for a in actions]
 
 
 def _positions(actions: Sequence[Action]) -> Dict[Tuple[Phase, int, Optional[int]], int]:

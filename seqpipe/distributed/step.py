@@ -1,8 +1,9 @@
 """One call of a distributed pipeline on one rank: its stages' actions, in schedule order.
 
 A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.run``
-dispatches each action by its phase (``F``, ``B``, ``I``, ``W``) to the stage it names, so
-no schedule has code of its own here. Data comes in through ``Transport`` messages
+(``seqpipe.tasks.Tasks``, shared with the local engine) dispatches each action by its phase
+(``F``, ``B``, ``I``, ``W``) to the stage it names, so no schedule has code of its own here;
+``Call`` supplies the transport side. Data comes in through ``Transport`` messages
 (between two stages of one rank, in memory); whatever arrives before it is needed waits
 in an inbox. The rank of stage 0 opens every call by telling the others how many
 micro-batches it has cut; the rank of the last stage closes it by sending the loss, and the
@@ -22,7 +23,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import (
     Any,
-    Callable,
     ContextManager,
     Dict,
     Iterator,
@@ -33,31 +33,29 @@ from typing import (
     Tuple,
 )
 
-import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.distributed.values import check_values
 from seqpipe.microbatch import Batch
-from seqpipe.schedule import Action, Phase, Placement
+from seqpipe.schedule import Action, Placement
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Received, Stage, TaskState, moved
+from seqpipe.stage import Grads, Received, Sent, Stage, TaskState, moved
+from seqpipe.tasks import LossFn, Tasks
 
 __all__ = ["Call", "LossFn", "describe"]
 
-LossFn = Callable[[Any, Any], Tensor]
 _WHAT = {Kind.ACTIVATION: "activation", Kind.GRAD: "gradient", Kind.SKIP: "skip tensor",
          Kind.SKIP_GRAD: "skip gradient", Kind.STEP: "start of the step",
          Kind.DONE: "end of the step", Kind.LOSS: "loss"}
 
 
 @dataclass
-class Call:
+class Call(Tasks):
     """The state of one ``train_step`` or ``forward`` on this rank.
 
     ``stages``: the stages this rank holds (several under interleaved and V-shaped
@@ -170,24 +168,8 @@ class Call:
         except PeerError as exc:
             raise PeerError(f"{self.name()} {exc} (at {self.action})", peer=exc.peer) from exc
 
-    # -- actions -----------------------------------------------------------------------
-    def run(self, action: Action, inputs: Optional[Sequence[Batch]],
-            targets: Optional[Sequence[Any]], loss_fn: Optional[LossFn],
-            weights: Sequence[float]) -> None:
-        """Run one action of the schedule, whatever its phase."""
-        s, i = action.stage, action.microbatch
-        assert s is not None
-        if action.phase is Phase.FORWARD:
-            self.forward(s, i, inputs, targets, loss_fn, weights)
-        elif action.phase is Phase.BACKWARD_WEIGHT:
-            self.backward_weight(s, i)
-        else:
-            self.backward(s, i, split=action.phase is Phase.BACKWARD_INPUT)
-
-    def forward(self, s: int, i: int, inputs: Optional[Sequence[Batch]],
-                targets: Optional[Sequence[Any]], loss_fn: Optional[LossFn],
-                weights: Sequence[float]) -> None:
-        """Run ``F(s, i)``: receive, compute, send on (or take the loss on the last stage)."""
+    # -- the transport side of the actions (``Tasks`` runs them) -------------------------
+    def receive_forward(self, s: int, i: int, inputs: Optional[Sequence[Batch]]) -> Received:
         rank = self.placement.rank_of
         if s == 0:
             assert inputs is not None
@@ -203,10 +185,10 @@ class Call:
                                 self.key_index(skip.key), skip.stash_partition)
             skips[skip.key] = message.tensors[0]
             flags += message.flags
-        sent, state = self.stages[s].forward(
-            Received(received_batch, skips, flags), grad=self.grad,
-            checkpoint=self.grad and i < self.checkpoint_stop, sink=self._sink(s, i),
-            split=(s, i) in self.split)
+        return Received(received_batch, skips, flags)
+
+    def send_forward(self, s: int, i: int, sent: Sent) -> None:
+        rank = self.placement.rank_of
         for key, tensor in sorted(sent.skips.items(), key=lambda kv: self.key_index(kv[0])):
             self.send(rank(self.layout.pop_partition(*key)), Kind.SKIP, i, [tensor],
                       [sent.wants_grad(tensor)], key=self.key_index(key), origin=s)
@@ -214,69 +196,26 @@ class Call:
             outs = sent.outputs.tensors
             self.send(rank(s + 1), Kind.ACTIVATION, i, outs, [sent.wants_grad(t) for t in outs],
                       atomic=sent.outputs.atomic, origin=s, values=sent.outputs.constants)
-        elif loss_fn is not None and targets is not None:
-            assert state is not None
-            loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])
-            if state.replay is None:
-                state.roots = [get_gradient_edge(loss)]
-            else:  # recomputed at I, the loss with it
-                target, weight = targets[i], weights[i]
-                state.head = lambda out: self._loss(i, out, target, loss_fn, weight, keep=False)
         else:
             self.outputs.append(sent.outputs)
-        if state is not None:
-            self.states[(s, i)] = state
 
-    def _loss(self, i: int, outputs: Batch, target: Any, loss_fn: LossFn,
-              weight: float, keep: bool = True) -> Tensor:
-        if isinstance(target, Tensor) and target.dim() > 0 and \
-                target.shape[0] != outputs.tensors[0].shape[0]:
-            raise ValueError(
-                f"micro-batch {i}: the output has {outputs.tensors[0].shape[0]} samples but "
-                f"its slice of the target has {target.shape[0]}; input and target need the "
-                f"same batch size")
-        with torch.enable_grad():
-            loss = loss_fn(outputs.value, target)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
-                       else type(loss).__name__)
-                raise TypeError(f"loss_fn must return a scalar tensor (one number, e.g. a "
-                                f"mean-reduced loss), got {got}")
-            scaled = loss.reshape(()) * weight
-        if keep:
-            self.losses.append(scaled.detach())
-        return scaled
-
-    def backward(self, s: int, i: int, split: bool = False) -> None:
-        """Run ``B(s, i)`` (or, with ``split``, ``I(s, i)``: the input gradients only):
-        receive gradients, backpropagate, send gradients back."""
+    def receive_backward(self, s: int, i: int
+                         ) -> Tuple[Tuple[Optional[Tensor], ...], Dict[SkipKey, Optional[Tensor]]]:
         rank = self.placement.rank_of
-        stage = self.stages[s]
-        if s == self.num_stages - 1:
-            seed = self.seed if self.seed is not None else torch.ones((), device=stage.device)
-            grads: Tuple[Optional[Tensor], ...] = (seed,)
-        else:
-            grads = self.need(rank(s + 1), Kind.GRAD, i, origin=s + 1).tensors
+        grads = self.need(rank(s + 1), Kind.GRAD, i, origin=s + 1).tensors
         skip_grads = {skip.key: self.need(rank(skip.pop_partition), Kind.SKIP_GRAD, i,
                                           self.key_index(skip.key), skip.pop_partition
                                           ).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
-        if split:
-            received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
-        else:
-            with self._handing_over(s, i):  # hooks: once
-                received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
-                                          sink=self._sink(s, i))
+        return grads, skip_grads
+
+    def send_backward(self, s: int, i: int, received: Grads) -> None:
+        rank = self.placement.rank_of
         if s > 0:
             self.send(rank(s - 1), Kind.GRAD, i, received.inputs, origin=s)
         for key, grad in received.skips.items():
             self.send(rank(self.layout.stash_partition(*key)), Kind.SKIP_GRAD, i, [grad],
                       key=self.key_index(key), origin=s)
-
-    def backward_weight(self, s: int, i: int) -> None:
-        """Run ``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
-        with self._handing_over(s, i):  # hooks: once
-            self.stages[s].backward_weight(self.states.pop((s, i)), sink=self._sink(s, i))
 
     # -- failure handling --------------------------------------------------------------
     @contextmanager

@@ -7,8 +7,8 @@ another shape than the receiver expected ("reshaped"), and each tensor's
 dtype, shape and whether it wants a gradient, then the micro-batch's non-tensor values
 (``seqpipe.distributed.values``: a few plain types, as words); a failure notice carries its
 text in the header instead. The tensors follow in the same buffer, each at an offset
-aligned for any dtype, so a receiver takes them out as views, without copying. One buffer per message
-rather than one per tensor halves the rendezvous a hop costs (each point-to-point
+aligned for any dtype, so a receiver takes them out as views, without copying. One buffer
+per message rather than one per tensor halves the rendezvous a hop costs (each point-to-point
 operation is a handshake with the peer), at the price of one copy of the payload on each
 side.
 """

@@ -19,7 +19,7 @@ from seqpipe.schedule.action import Action
 from seqpipe.schedule.placement import Placement
 
 __all__ = ["AnySchedule", "Schedule", "ScheduleError", "StagedSchedule", "is_staged",
-           "placement_of", "rank_orders"]
+           "placement_of", "rank_orders", "stage_named", "staged_orders"]
 
 
 class ScheduleError(ValueError):
@@ -99,3 +99,15 @@ def rank_orders(schedule: AnySchedule, num_ranks: int,
         def fetch(rank: int) -> object:
             return schedule.actions(rank, num_ranks, num_microbatches)  # type: ignore
     return placement, [_as_list(fetch(rank), rank) for rank in range(num_ranks)]
+
+
+def stage_named(actions: Sequence[Action], rank: int) -> list[Action]:
+    """``actions`` of ``rank``, each naming its stage (``rank`` where it names none)."""
+    return [a if a.stage is not None else Action(a.phase, a.microbatch, rank) for a in actions]
+
+
+def staged_orders(schedule: AnySchedule, num_ranks: int,
+                  num_microbatches: int) -> list[list[Action]]:
+    """Every rank's action list, as :func:`rank_orders` gives it, each naming its stage."""
+    _, orders = rank_orders(schedule, num_ranks, num_microbatches)
+    return [stage_named(order, rank) for rank, order in enumerate(orders)]

@@ -1,0 +1,169 @@
+"""``Pipe.train_step``: one training step of the local pipeline under a schedule.
+
+``Pipe.forward`` followed by ``loss.backward()`` runs fill-drain: autograd asks for the
+backward only once every forward has run, so every micro-batch's activations are alive at
+once. 1F1B and the zero-bubble schedules start a micro-batch's backward as soon as its
+forward ends, which needs its loss there and then; so ``train_step`` takes the target and
+the loss function and runs the whole step, forwards and backwards in the schedule's order
+(``LocalPipeline.train_step``, each action run by ``seqpipe.tasks`` as on a rank of
+``DistributedPipe``). The mini-batch loss is that of ``DistributedPipe.train_step``: the
+micro-batch losses weighted by micro-batch size, so for a mean-reduced ``loss_fn`` it and
+the gradients are those of ``loss_fn(model(input), target)``.
+
+The gradients reach the parameters as they do after ``forward`` + ``backward``: the stages
+accumulate into one ``GradSink``, and the sums are handed to autograd once, through an
+``autograd.Function`` whose inputs are the mini-batch's tensors and the trainable
+parameters (``_Handoff``). Hooks on the parameters therefore fire once per step, with the
+whole gradient. The step runs while that Function's output is made, as a forward does;
+under ``DistributedDataParallel``, ``train_step(..., ddp=ddp)`` makes it inside DDP's own
+forward (which prepares DDP's reducer), and the hand-off's backward is an ordinary backward
+of DDP's output: the reducer averages the gradients once per mini-batch, as it does for
+``ddp(x)`` + ``loss.backward()`` (and ``ddp.no_sync()`` works as it does there).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from seqpipe.checkpoint import checkpoint_stop
+from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather_grad
+from seqpipe.schedule import (
+    Action,
+    AnySchedule,
+    ScheduleError,
+    get_schedule,
+    placement_of,
+    validate_schedule,
+)
+from seqpipe.schedule.protocol import staged_orders
+from seqpipe.tasks import LossFn, split_target
+
+if TYPE_CHECKING:
+    from seqpipe.pipe import Pipe
+
+__all__ = ["TrainStep", "input_grad", "local_actions"]
+
+ONE_STAGE_SCHEDULES = ("fill_drain", "gpipe", "1f1b", "zb_h1", "zb_h2")
+
+
+def _named(schedule: Union[str, AnySchedule]) -> str:
+    return repr(schedule) if isinstance(schedule, str) else type(schedule).__name__
+
+
+def _ranks_for(schedule: AnySchedule, num_stages: int) -> Optional[int]:
+    """How many ranks (threads) run ``num_stages`` stages under ``schedule``: the most
+    for which its placement has that many stages; ``None`` if no count does."""
+    for ranks in range(num_stages, 0, -1):
+        if num_stages % ranks:
+            continue
+        try:
+            if placement_of(schedule, ranks).num_stages == num_stages:
+                return ranks
+        except ScheduleError:
+            continue
+    return None
+
+
+def _per_rank(schedule: AnySchedule) -> str:
+    try:
+        return str(placement_of(schedule, 2).num_stages // 2)
+    except ScheduleError:
+        return "several"
+
+
+def local_actions(schedule: Union[str, AnySchedule], num_partitions: int,
+                  num_microbatches: int) -> List[List[Action]]:
+    """Per rank (worker thread), its actions under ``schedule``, checked, each naming its
+    stage; every partition is a stage.
+
+    A one-stage-per-rank schedule gives each partition its own thread; one that places
+    ``V`` stages on a rank (interleaved, V-shaped) runs the ``num_partitions`` stages on
+    ``num_partitions / V`` threads, stage ``s`` on the thread its placement names.
+    """
+    resolved = get_schedule(schedule)
+    ranks = _ranks_for(resolved, num_partitions)
+    if ranks is None:
+        raise ValueError(
+            f"schedule {_named(schedule)} cannot place {num_partitions} partitions: it puts "
+            f"{_per_rank(resolved)} stages on each device, and every partition is a stage; "
+            f"give balance a multiple of that many entries, or use a one-stage-per-partition "
+            f"schedule: {', '.join(map(repr, ONE_STAGE_SCHEDULES))}")
+    validate_schedule(resolved, ranks, num_microbatches)
+    return staged_orders(resolved, ranks, num_microbatches)
+
+
+def input_grad(given: Input, j: int, microbatches: Sequence[Batch],
+               grads: Sequence[Tuple[Optional[Tensor], ...]]) -> Optional[Tensor]:
+    """The gradient of the ``j``-th input tensor of ``given`` from the first stage's
+    per-micro-batch input gradients ``grads`` (summed for a ``NoChunk`` tensor); ``None``
+    if it has none."""
+    tensor = given.batch.tensors[j]
+    if not tensor.requires_grad:
+        return None
+    pieces = [g[j] if g else None for g in grads]
+    return gather_grad(pieces, [mb.tensors[j] for mb in microbatches], given.whole[j],
+                       tensor.device)
+
+
+class _Handoff(torch.autograd.Function):
+    """Hands a finished step's gradients to autograd: one accumulation per parameter."""
+
+    @staticmethod
+    def forward(ctx: Any, step: "TrainStep", *tensors: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.step = step
+        assert step.loss is not None
+        return torch.zeros((), dtype=step.loss.dtype, device=step.loss.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        step, ctx.step = ctx.step, None
+        return (None, *step.take_grads())
+
+
+class TrainStep:
+    """One ``Pipe.train_step``: the checked arguments, then the step and its results."""
+
+    def __init__(self, pipe: "Pipe", input: TensorOrTensors, target: Any, loss_fn: LossFn,
+                 schedule: Union[str, AnySchedule]) -> None:
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step computes gradients, but gradients are disabled "
+                               "here (torch.no_grad() or inference_mode); for inference call "
+                               "the pipe itself")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
+                            f"{type(loss_fn).__name__}")
+        self.input = Input.of(input)
+        self.batch = self.input.batch
+        self.microbatches = self.input.scatter(pipe.chunks)
+        if not self.microbatches:
+            raise ValueError("the input batch is empty (size 0 on dim 0); a pipeline needs "
+                             "at least one sample")
+        m = len(self.microbatches)
+        self.targets, self.weights = split_target(target, m)
+        self.actions = local_actions(schedule, len(pipe.partitions), m)
+        self.loss_fn = loss_fn
+        self.loss: Optional[Tensor] = None
+        self.params: List[nn.Parameter] = []
+        self._sums: Dict[nn.Parameter, Tensor] = {}
+        self._input_grads: List[Tuple[Optional[Tensor], ...]] = []
+
+    def run(self, pipe: "Pipe") -> Tensor:
+        """Run the step; return what hands its gradients over when backpropagated."""
+        mode = pipe.checkpoint if pipe.training else "never"
+        run, self.loss = pipe._pipeline.train_step(
+            self.microbatches, self.targets, self.weights, self.loss_fn, self.actions,
+            checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)))
+        assert run.sink is not None
+        self._sums = dict(run.sink.take())
+        self._input_grads = run.input_grads
+        self.params = [p for p in pipe.parameters() if p.requires_grad]
+        return _Handoff.apply(self, *self.batch.tensors, *self.params)
+
+    def take_grads(self) -> List[Optional[Tensor]]:
+        """The inputs' then the parameters' gradients, letting go of them here."""
+        inputs = [input_grad(self.input, j, self.microbatches, self._input_grads)
+                  for j in range(len(self.batch.tensors))]
+        sums, self._sums, self._input_grads = self._sums, {}, []
+        return inputs + [sums.get(p) for p in self.params]

@@ -1,0 +1,190 @@
+"""A schedule's actions run on stages: the part of a training step both engines share.
+
+Every action of a schedule is one task on one stage: ``F`` runs the stage's forward on a
+micro-batch (on the last stage of a training step, also that micro-batch's loss, which
+becomes the root of its backward), ``B`` its backward, ``I`` and ``W`` the two halves of a
+split backward (``seqpipe.split_backward``). The engines differ only in how a task's inputs
+arrive and where its results go: the local engine hands them between threads through a
+mailbox, the distributed one sends them between ranks. ``Tasks`` runs the tasks and asks the
+engine for those through four methods (``receive_forward``, ``send_forward``,
+``receive_backward``, ``send_backward``).
+
+The mini-batch loss is the sum of the micro-batch losses weighted by micro-batch size
+(``split_target``), so that for a mean-reduced ``loss_fn`` the loss and the gradients are
+those of ``loss_fn`` on the whole batch, whatever the sizes of the micro-batches.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+
+from seqpipe.microbatch import Batch, scatter
+from seqpipe.schedule import Action, Phase
+from seqpipe.sink import GradSink
+from seqpipe.skip.tracker import SkipKey
+from seqpipe.stage import Grads, Received, Sent, Stage, TaskState
+
+__all__ = ["LossFn", "Tasks", "microbatch_loss", "split_target"]
+
+LossFn = Callable[[Any, Any], Tensor]
+Optionals = Tuple[Optional[Tensor], ...]
+
+
+def split_target(target: Any, m: int) -> Tuple[List[Any], List[float]]:
+    """``target`` cut like an input of ``m`` micro-batches, and each piece's weight in the
+    mini-batch loss (its share of the samples)."""
+    if target is None:
+        raise ValueError("the target is None, but the last stage needs it for the loss; "
+                         "pass it (to DistributedPipe, on the rank that holds the last "
+                         "stage: pipe.is_last)")
+    pieces = scatter(target, m)
+    if len(pieces) != m:
+        raise ValueError(f"the target has {len(pieces)} samples but the input was cut into "
+                         f"{m} micro-batches; input and target need the same batch size")
+    sizes = [p.tensors[0].shape[0] for p in pieces]
+    return [p.value for p in pieces], [n / sum(sizes) for n in sizes]
+
+
+def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
+                    weight: float) -> Tensor:
+    """Micro-batch ``i``'s loss, times its ``weight``; checks what ``loss_fn`` returns."""
+    if isinstance(target, Tensor) and target.dim() > 0 and \
+            target.shape[0] != outputs.tensors[0].shape[0]:
+        raise ValueError(
+            f"micro-batch {i}: the output has {outputs.tensors[0].shape[0]} samples but "
+            f"its slice of the target has {target.shape[0]}; input and target need the "
+            f"same batch size")
+    with torch.enable_grad():
+        loss = loss_fn(outputs.value, target)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
+                   else type(loss).__name__)
+            raise TypeError(f"loss_fn must return a scalar tensor (one number, e.g. a "
+                            f"mean-reduced loss), got {got}")
+        return loss.reshape(()) * weight
+
+
+class Tasks:
+    """Runs the actions of one training step (or forward) on the stages of one engine.
+
+    The engine provides the attributes below and the four transport methods; the
+    per-micro-batch gradient destination (``_sink``, ``_handing_over``) and private RNG
+    seeds (``rng_seed``) default to ``.grad`` and the global generators.
+    """
+
+    stages: Mapping[int, Stage]
+    grad: bool
+    checkpoint_stop: int
+    seed: Optional[Tensor]  # the last stage's backward starts from it (loss scale), else 1
+    split: Set[Tuple[int, int]]  # (stage, micro-batch) run as I then W
+    states: Dict[Tuple[int, int], TaskState]
+    losses: List[Tensor]
+
+    @property
+    def num_stages(self) -> int:
+        raise NotImplementedError
+
+    # -- what the engine provides ------------------------------------------------------
+    def receive_forward(self, s: int, i: int, inputs: Optional[Sequence[Batch]]) -> Received:
+        """Micro-batch ``i``'s input (and skips) for stage ``s``, on its device."""
+        raise NotImplementedError
+
+    def send_forward(self, s: int, i: int, sent: Sent) -> None:
+        """Hand ``sent`` on: to the next stage and the skips' popping stages; on the last
+        stage of a call without a loss, keep the output."""
+        raise NotImplementedError
+
+    def receive_backward(self, s: int, i: int) -> Tuple[Optionals, Dict[SkipKey, Optional[Tensor]]]:
+        """The gradients of what stage ``s`` (not the last) sent for micro-batch ``i``."""
+        raise NotImplementedError
+
+    def send_backward(self, s: int, i: int, received: Grads) -> None:
+        """Hand the gradients of what stage ``s`` received back to their senders."""
+        raise NotImplementedError
+
+    def output_grads(self, s: int, i: int) -> Tuple[Optionals, Dict[SkipKey, Optional[Tensor]]]:
+        """The gradients stage ``s``'s backward of micro-batch ``i`` starts from: on the last
+        stage, that of the loss (``seed``, else 1); elsewhere, what ``receive_backward`` gets."""
+        if s == self.num_stages - 1:
+            device = self.stages[s].device
+            return (self.seed if self.seed is not None else torch.ones((), device=device),), {}
+        return self.receive_backward(s, i)
+
+    def _sink(self, s: int, i: int) -> Optional[GradSink]:
+        return None
+
+    def _handing_over(self, s: int, i: int) -> ContextManager[None]:
+        return nullcontext()
+
+    def rng_seed(self, s: int, i: int) -> Optional[int]:
+        """The seed of the task's private random streams (``None``: the global ones)."""
+        return None
+
+    # -- actions -----------------------------------------------------------------------
+    def run(self, action: Action, inputs: Optional[Sequence[Batch]],
+            targets: Optional[Sequence[Any]], loss_fn: Optional[LossFn],
+            weights: Sequence[float]) -> None:
+        """Run one action of the schedule, whatever its phase."""
+        s, i = action.stage, action.microbatch
+        assert s is not None
+        if action.phase is Phase.FORWARD:
+            self.forward(s, i, inputs, targets, loss_fn, weights)
+        elif action.phase is Phase.BACKWARD_WEIGHT:
+            self.backward_weight(s, i)
+        else:
+            self.backward(s, i, split=action.phase is Phase.BACKWARD_INPUT)
+
+    def forward(self, s: int, i: int, inputs: Optional[Sequence[Batch]],
+                targets: Optional[Sequence[Any]], loss_fn: Optional[LossFn],
+                weights: Sequence[float]) -> None:
+        """Run ``F(s, i)``: receive, compute, send on (or take the loss on the last stage)."""
+        received = self.receive_forward(s, i, inputs)
+        sent, state = self.stages[s].forward(
+            received, grad=self.grad, checkpoint=self.grad and i < self.checkpoint_stop,
+            seed=self.rng_seed(s, i), sink=self._sink(s, i), split=(s, i) in self.split)
+        if s == self.num_stages - 1 and loss_fn is not None and targets is not None:
+            assert state is not None
+            target, weight = targets[i], weights[i]
+            loss = microbatch_loss(i, sent.outputs, target, loss_fn, weight)
+            self.losses.append(loss.detach())
+            if state.replay is None:
+                state.roots = [get_gradient_edge(loss)]
+            else:  # recomputed at I, the loss with it
+                state.head = lambda out: microbatch_loss(i, out, target, loss_fn, weight)
+        else:
+            self.send_forward(s, i, sent)
+        if state is not None:
+            self.states[(s, i)] = state
+
+    def backward(self, s: int, i: int, split: bool = False) -> None:
+        """Run ``B(s, i)`` (or, with ``split``, ``I(s, i)``: the input gradients only):
+        receive gradients, backpropagate, send gradients back."""
+        stage = self.stages[s]
+        grads, skip_grads = self.output_grads(s, i)
+        if split:
+            received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
+        else:
+            with self._handing_over(s, i):  # hooks: once
+                received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
+                                          sink=self._sink(s, i))
+        self.send_backward(s, i, received)
+
+    def backward_weight(self, s: int, i: int) -> None:
+        """Run ``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
+        with self._handing_over(s, i):  # hooks: once
+            self.stages[s].backward_weight(self.states.pop((s, i)), sink=self._sink(s, i))
