@@ -212,7 +212,8 @@ class Call:
                       atomic=sent.outputs.atomic, origin=s)
         elif loss_fn is not None and targets is not None:
             assert state is not None
-            loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])
+            with state.recording():  # a split backward frees what the loss saved after I
+                loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])
             if state.replay is None:
                 state.roots = [get_gradient_edge(loss)]
             else:  # recomputed at I, the loss with it
