@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from seqpipe.distributed.accumulate import StepGrads
+from seqpipe.distributed.auto import ActionTimer
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.microbatch import Batch
@@ -80,6 +81,7 @@ class Call:
     outputs: List[Batch] = field(default_factory=list)
     losses: List[Tensor] = field(default_factory=list)
     action: str = "the start of the step"
+    timer: Optional[ActionTimer] = None  # times each stage computation (schedule="auto")
 
     @property
     def rank(self) -> int:
@@ -103,6 +105,9 @@ class Call:
     def _sink(self, stage: int, i: int) -> Optional[GradSink]:
         grads = self.grads.get(stage)
         return grads.sink_for(i) if grads is not None else None
+
+    def _timed(self, phase: Phase, stage: int) -> ContextManager[None]:
+        return self.timer.timed(phase, stage) if self.timer is not None else nullcontext()
 
     def _handing_over(self, stage: int, i: int) -> ContextManager[None]:
         grads = self.grads.get(stage)
@@ -199,10 +204,11 @@ class Call:
                                 self.key_index(skip.key), skip.stash_partition)
             skips[skip.key] = message.tensors[0]
             flags += message.flags
-        sent, state = self.stages[s].forward(
-            Received(received_batch, skips, flags), grad=self.grad,
-            checkpoint=self.grad and i < self.checkpoint_stop, sink=self._sink(s, i),
-            split=(s, i) in self.split)
+        with self._timed(Phase.FORWARD, s):
+            sent, state = self.stages[s].forward(
+                Received(received_batch, skips, flags), grad=self.grad,
+                checkpoint=self.grad and i < self.checkpoint_stop, sink=self._sink(s, i),
+                split=(s, i) in self.split)
         for key, tensor in sorted(sent.skips.items(), key=lambda kv: self.key_index(kv[0])):
             self.send(rank(self.layout.pop_partition(*key)), Kind.SKIP, i, [tensor],
                       [sent.wants_grad(tensor)], key=self.key_index(key), origin=s)
@@ -212,7 +218,7 @@ class Call:
                       atomic=sent.outputs.atomic, origin=s)
         elif loss_fn is not None and targets is not None:
             assert state is not None
-            with state.recording():  # a split backward frees what the loss saved after I
+            with state.recording(), self._timed(Phase.FORWARD, s):  # freed after I
                 loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])
             if state.replay is None:
                 state.roots = [get_gradient_edge(loss)]
@@ -259,9 +265,10 @@ class Call:
                                           ).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
         if split:
-            received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
+            with self._timed(Phase.BACKWARD_INPUT, s):
+                received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
         else:
-            with self._handing_over(s, i):  # hooks: once
+            with self._handing_over(s, i), self._timed(Phase.BACKWARD, s):  # hooks: once
                 received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
                                           sink=self._sink(s, i))
         if s > 0:
@@ -272,7 +279,7 @@ class Call:
 
     def backward_weight(self, s: int, i: int) -> None:
         """Run ``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
-        with self._handing_over(s, i):  # hooks: once
+        with self._handing_over(s, i), self._timed(Phase.BACKWARD_WEIGHT, s):  # hooks: once
             self.stages[s].backward_weight(self.states.pop((s, i)), sink=self._sink(s, i))
 
     # -- failure handling --------------------------------------------------------------
