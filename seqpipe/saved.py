@@ -21,7 +21,7 @@ modifying a saved tensor in place still raises autograd's error.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -35,10 +35,12 @@ _NAMES: Dict[type, Tuple[str, ...]] = {}  # node type -> its saved attributes
 class _Held:
     """One saved tensor (or what the caller's pack hook made of it)."""
 
-    __slots__ = ("value", "version", "dtype", "device")
+    __slots__ = ("value", "unpack", "version", "dtype", "device")
 
-    def __init__(self, value: Any, tensor: Tensor) -> None:
+    def __init__(self, value: Any, unpack: Optional[Callable[[Any], Tensor]],
+                 tensor: Tensor) -> None:
         self.value: Optional[Any] = value
+        self.unpack = unpack  # the caller's unpack hook, if its pack made ``value``
         self.version = tensor._version
         self.dtype = tensor.dtype
         self.device = tensor.device
@@ -79,10 +81,10 @@ class SavedTensors:
 
     def _pack(self, tensor: Tensor) -> _Held:
         if self._outer is not None:
-            return _Held(self._outer[0](tensor), tensor)
+            return _Held(self._outer[0](tensor), self._outer[1], tensor)
         # Detached: an output saved with its grad_fn would be a cycle through the node
         # that saves it (autograd gives the unpacked tensor its grad_fn back).
-        return _Held(tensor.detach(), tensor)
+        return _Held(tensor.detach(), None, tensor)
 
     def _unpack(self, held: _Held) -> Tensor:
         if self._probe is not None:
@@ -93,8 +95,10 @@ class SavedTensors:
                 "seqpipe freed this saved tensor after the input-gradient pass (I) of a "
                 "split backward, as the weight-gradient pass (W) should not need it; a "
                 "backward that reads it after I is not supported (report it with the model)")
-        value = self._outer[1](held.value) if self._outer is not None else held.value
-        if self._outer is None and value._version != held.version:
+        if held.unpack is not None:
+            return held.unpack(held.value)
+        value = held.value
+        if value._version != held.version:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified "
                 f"by an inplace operation: [{value.type()} {list(value.shape)}] is at "

@@ -29,6 +29,7 @@ from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
 from seqpipe.distributed.checkpoint import gather_full_state_dict, load, load_into_plain, save
 from seqpipe.microbatch import Batch
+from seqpipe.saved import SavedTensors
 from seqpipe.schedule import (
     SCHEDULES,
     Action,
@@ -588,3 +589,18 @@ def test_split_backward_still_refuses_a_saved_tensor_modified_in_place() -> None
     assert state is not None
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         stage.backward_input(state, [torch.ones(2, 4, dtype=DTYPE)], {})
+
+
+def test_a_released_saved_tensor_read_again_raises_naming_the_split() -> None:
+    """What ``I`` frees is gone: a backward that would still read it fails loudly, not with
+    garbage; what ``kept`` nodes saved stays."""
+    saved = SavedTensors()
+    x = torch.randn(3, requires_grad=True)
+    with saved.recording():
+        y = torch.tanh(x)
+        z = torch.exp(x)
+    saved.release([y.grad_fn, z.grad_fn], [z.grad_fn])
+    z.sum().backward()
+    torch.testing.assert_close(x.grad, torch.exp(x.detach()))
+    with pytest.raises(RuntimeError, match=r"freed this saved tensor after the input-gradient"):
+        y.sum().backward()

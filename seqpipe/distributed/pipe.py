@@ -240,7 +240,9 @@ class DistributedPipe(nn.Module):
         return balance
 
     def _check_same_everywhere(self, module: nn.Sequential) -> int:
-        config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
+        schedule = (repr(self.schedule) if isinstance(self.schedule, Auto)  # its options too
+                    else type(self.schedule).__qualname__)
+        config = (self.balance, self.chunks, self.checkpoint, schedule,
                   self.placement.ranks, self.broadcast_buffers, [tie.names for tie in self.ties],
                   self.base_seed)
         return check_same_model(module, config, self.group, self.device,
