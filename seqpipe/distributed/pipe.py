@@ -100,7 +100,10 @@ class DistributedPipe(nn.Module):
             ``V`` stages. Default: split by parameter count into that many stages.
         schedule: a built-in name (``"1f1b"``, ``"fill_drain"``, ``"zb_h1"``, ``"zb_h2"``,
             ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zb"``, ``"zbv"``,
-            ``"dualpipev"``), or any ``seqpipe.schedule.Schedule`` or ``StagedSchedule``.
+            ``"dualpipev"``), or any ``seqpipe.schedule.Schedule`` or ``StagedSchedule``;
+            ``"auto"`` or a ``seqpipe.schedule.Auto``: the first ``train_step`` measures
+            each stage's costs, and the candidate the simulator predicts fastest runs from
+            the next call on (see ``auto_choice``).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: BatchNorm running statistics once per mini-batch.
         group: the pipeline's process group.
