@@ -3,7 +3,7 @@
 The first ``train_step`` runs ``Auto``'s measuring schedule (a split one: it times ``F``,
 ``I`` and ``W`` of every stage) with an ``ActionTimer`` around each stage computation (not
 around the waits for data, which are the bubble, not the cost). At its end every rank adds
-its stages' totals, in integer nanoseconds, into one table with an all-reduce over the
+its stages' times, in integer nanoseconds per action, into one table with an all-reduce over the
 pipeline group (and over the data-parallel group, so replicas agree too): integer sums do
 not depend on the order of the reduction, so every rank holds the same costs, bit for bit,
 and ``Auto.choose``, deterministic, picks the same schedule everywhere. No object is pickled.
@@ -15,9 +15,10 @@ logger at INFO (a library does not print); ``DistributedPipe.auto_choice`` holds
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,45 +34,54 @@ _PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.BACKWARD_INPUT, Phase.BACKWARD_W
 
 
 class ActionTimer:
-    """Nanoseconds each stage spends computing each phase in one step, and how often."""
+    """Nanoseconds each stage spends computing each phase of each micro-batch in one step."""
 
-    def __init__(self, num_stages: int, device: torch.device) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.table = torch.zeros(2, len(_PHASES), num_stages, dtype=torch.int64)
+        self.times: Dict[Tuple[int, int, int], int] = {}  # (phase row, stage, micro-batch)
 
     @contextmanager
-    def timed(self, phase: Phase, stage: int) -> Iterator[None]:
+    def timed(self, phase: Phase, stage: int, microbatch: int) -> Iterator[None]:
         """Around one stage computation (on a GPU, synchronised: the first step only)."""
         self._sync()
         start = time.perf_counter_ns()
         yield
         self._sync()
-        row = _PHASES.index(phase)
-        self.table[0, row, stage] += time.perf_counter_ns() - start
-        self.table[1, row, stage] += 1
+        key = (_PHASES.index(phase), stage, microbatch)
+        self.times[key] = self.times.get(key, 0) + time.perf_counter_ns() - start
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def table(self, num_stages: int, num_microbatches: int) -> Tensor:
+        """``[time ns, count]`` per phase, stage and micro-batch (zeros: not run here)."""
+        table = torch.zeros(2, len(_PHASES), num_stages, num_microbatches, dtype=torch.int64)
+        for (row, stage, i), ns in self.times.items():
+            table[0, row, stage, i] = ns
+            table[1, row, stage, i] = 1
+        return table
+
 
 def _costs(table: Tensor) -> Costs:
-    """Per-stage mean seconds; a stage measured without a split gets ``I = W = B / 2``."""
+    """Per stage, the median over micro-batches (robust to the first one's one-time costs:
+    allocations, lazy initialisation), in seconds; a stage measured without a split gets
+    ``I = W = B / 2``."""
     total, count = table.tolist()
 
-    def mean(row: int, stage: int) -> float:
-        return total[row][stage] / count[row][stage] / 1e9 if count[row][stage] else 0.0
+    def median(row: int, stage: int) -> float:
+        seen = [t / c for t, c in zip(total[row][stage], count[row][stage]) if c]
+        return statistics.median(seen) / 1e9 if seen else 0.0
 
-    stages = range(table.shape[-1])
     fwd, inp, wgt = [], [], []
-    for s in stages:
-        fwd.append(mean(0, s))
-        if count[2][s]:  # I (and W) measured
-            inp.append(mean(2, s))
-            wgt.append(mean(3, s))
+    for s in range(table.shape[2]):
+        fwd.append(median(0, s))
+        if any(count[2][s]):  # I (and W) measured
+            inp.append(median(2, s))
+            wgt.append(median(3, s))
         else:
-            inp.append(mean(1, s) / 2)
-            wgt.append(mean(1, s) / 2)
+            inp.append(median(1, s) / 2)
+            wgt.append(median(1, s) / 2)
     return Costs(tuple(fwd), tuple(inp), tuple(wgt))
 
 
@@ -101,12 +111,12 @@ class AutoRunner:
 
     def timer(self) -> Optional[ActionTimer]:
         """A timer for the next training step while the costs are unknown."""
-        return ActionTimer(self.num_stages, self.device) if self.costs is None else None
+        return ActionTimer(self.device) if self.costs is None else None
 
-    def decide(self, timer: ActionTimer) -> None:
-        """Collective over the pipeline (and data-parallel) group, after a step that every
-        rank completed: the costs, the same on every rank."""
-        table = timer.table.to(self.device)
+    def decide(self, timer: ActionTimer, num_microbatches: int) -> None:
+        """Collective over the pipeline (and data-parallel) group, after a step of
+        ``num_microbatches`` that every rank completed: the costs, the same on every rank."""
+        table = timer.table(self.num_stages, num_microbatches).to(self.device)
         dist.all_reduce(table, group=self.group)
         if self.data_parallel_group is not None:
             dist.all_reduce(table, group=self.data_parallel_group)

@@ -371,7 +371,7 @@ class DistributedPipe(nn.Module):
         with self._dropping_statistics_on_failure():
             loss = self._train_step(call, input, target, loss_fn)
         if call.timer is not None and self._auto is not None:  # measured: pick from now on
-            self._auto.decide(call.timer)
+            self._auto.decide(call.timer, call.microbatches)
             self._plans.clear()
             self._validated.clear()
             self.auto_choice  # noqa: B018 -- logs the pick for `chunks` now

@@ -106,8 +106,8 @@ class Call:
         grads = self.grads.get(stage)
         return grads.sink_for(i) if grads is not None else None
 
-    def _timed(self, phase: Phase, stage: int) -> ContextManager[None]:
-        return self.timer.timed(phase, stage) if self.timer is not None else nullcontext()
+    def _timed(self, phase: Phase, stage: int, i: int) -> ContextManager[None]:
+        return self.timer.timed(phase, stage, i) if self.timer is not None else nullcontext()
 
     def _handing_over(self, stage: int, i: int) -> ContextManager[None]:
         grads = self.grads.get(stage)
@@ -204,7 +204,7 @@ class Call:
                                 self.key_index(skip.key), skip.stash_partition)
             skips[skip.key] = message.tensors[0]
             flags += message.flags
-        with self._timed(Phase.FORWARD, s):
+        with self._timed(Phase.FORWARD, s, i):
             sent, state = self.stages[s].forward(
                 Received(received_batch, skips, flags), grad=self.grad,
                 checkpoint=self.grad and i < self.checkpoint_stop, sink=self._sink(s, i),
@@ -218,7 +218,7 @@ class Call:
                       atomic=sent.outputs.atomic, origin=s)
         elif loss_fn is not None and targets is not None:
             assert state is not None
-            with state.recording(), self._timed(Phase.FORWARD, s):  # freed after I
+            with state.recording(), self._timed(Phase.FORWARD, s, i):  # freed after I
                 loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])
             if state.replay is None:
                 state.roots = [get_gradient_edge(loss)]
@@ -265,10 +265,10 @@ class Call:
                                           ).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
         if split:
-            with self._timed(Phase.BACKWARD_INPUT, s):
+            with self._timed(Phase.BACKWARD_INPUT, s, i):
                 received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
         else:
-            with self._handing_over(s, i), self._timed(Phase.BACKWARD, s):  # hooks: once
+            with self._handing_over(s, i), self._timed(Phase.BACKWARD, s, i):  # hooks: once
                 received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
                                           sink=self._sink(s, i))
         if s > 0:
@@ -279,7 +279,7 @@ class Call:
 
     def backward_weight(self, s: int, i: int) -> None:
         """Run ``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
-        with self._handing_over(s, i), self._timed(Phase.BACKWARD_WEIGHT, s):  # hooks: once
+        with self._handing_over(s, i), self._timed(Phase.BACKWARD_WEIGHT, s, i):  # hooks: once
             self.stages[s].backward_weight(self.states.pop((s, i)), sink=self._sink(s, i))
 
     # -- failure handling --------------------------------------------------------------
