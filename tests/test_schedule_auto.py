@@ -193,3 +193,40 @@ def _auto(rank: int, world: int) -> None:
 def test_auto_picks_the_simulators_best_for_measured_costs_on_every_rank() -> None:
     """Two ranks, an unbalanced pipe, with and without a memory cap."""
     run_workers(_auto, 2, timeout=120)
+
+
+def even() -> nn.Sequential:
+    """F = I = W on both stages: zb_h1 and zb_h2 tie, and the tie goes to zb_h1."""
+    return nn.Sequential(Sleepy(10, 0, 10), Sleepy(10, 10, 10))
+
+
+def _replicas(rank: int, world: int) -> None:
+    """2 stages x 2 replicas; replica 0 measures ``uneven`` costs (zb_h2 alone would win),
+    replica 1 ``even`` ones (zb_h1 would): the costs are summed over the replicas too, so
+    all four ranks hold the same costs and pick the same schedule."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seqpipe.distributed import mesh_groups
+
+    failures = Failures(rank)
+    pp, dp = mesh_groups(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    replica = dist.get_rank(dp)
+    pipe = DistributedPipe(uneven() if replica == 0 else even(), 4, schedule="auto",
+                           balance=[1, 1], checkpoint="never", group=pp,
+                           data_parallel_group=dp)
+    x = torch.randn(8, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(replica))
+    for _ in range(2):
+        pipe.train_step(x if pipe.is_first else None, x if pipe.is_last else None, F.mse_loss)
+    choice = pipe.auto_choice
+    assert choice is not None
+    mine = torch.tensor([Auto.ONE_PER_RANK.index(choice.name), *choice.costs.forward,
+                         *choice.costs.input, *choice.costs.weight], dtype=DTYPE)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    failures.expect(all(torch.equal(t, everyone[0]) for t in everyone),
+                    f"ranks disagree: {everyone}")
+    failures.finish()
+
+
+def test_auto_replicas_agree_on_costs_and_pick() -> None:
+    run_workers(_replicas, 4, timeout=150)
