@@ -19,6 +19,14 @@ gradients. ``W`` then backpropagates from each boundary node, with those gradien
 the parameters behind its edges leaving ``P`` only (``inputs=``), so autograd computes
 those edges alone; each parameter is reached once, so its hooks fire once. Every
 operation runs once, as in one backward: the gradients are those of a full backward.
+A root off ``P`` (an output computed from parameters only) is all weight path: ``W``
+backpropagates it with its gradient.
+
+Right after ``I``, what only ``P`` needed is freed (``seqpipe.saved``): the saved tensors of
+the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
+the roots' gradients; only the weight path's saved tensors and the kept gradients wait for
+``W``, so a micro-batch between its ``I`` and its ``W`` holds no more than its schedule
+counts on.
 """
 from __future__ import annotations
 
