@@ -19,6 +19,14 @@ gradients. ``W`` then backpropagates from each boundary node, with those gradien
 the parameters behind its edges leaving ``P`` only (``inputs=``), so autograd computes
 those edges alone; each parameter is reached once, so its hooks fire once. Every
 operation runs once, as in one backward: the gradients are those of a full backward.
+A root off ``P`` (an output computed from parameters only) is all weight path: ``W``
+backpropagates it with its gradient.
+
+Right after ``I``, what only ``P`` needed is freed (``seqpipe.saved``): the saved tensors of
+the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
+the roots' gradients; only the weight path's saved tensors and the kept gradients wait for
+``W``, so a micro-batch between its ``I`` and its ``W`` holds no more than its schedule
+counts on.
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import has_torch_function
+
+from seqpipe.saved import SavedTensors
 
 __all__ = ["SplitBackward", "autograd_inputs"]
 
@@ -55,21 +65,23 @@ def _walk(roots: Sequence[Node], target: Node) -> Dict[Node, bool]:
     return reaches
 
 
-def _leaves_under(edges: Sequence[GradientEdge]) -> List[Tensor]:
-    """The leaf tensors (behind ``AccumulateGrad`` nodes) reachable through ``edges``."""
-    leaves: List[Tensor] = []
-    seen: set = set()
+def _below(edges: Sequence[GradientEdge]) -> List[Node]:
+    """Every node reachable through ``edges`` (the weight path behind a boundary node)."""
+    seen: Dict[Node, None] = {}
     stack = [e.node for e in edges]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor):
-            leaves.append(variable)
+        seen[node] = None
         stack.extend(c for c, _ in node.next_functions if c is not None)
-    return leaves
+    return list(seen)
+
+
+def _leaves(nodes: Sequence[Node]) -> List[Tensor]:
+    """The leaf tensors behind the ``AccumulateGrad`` nodes among ``nodes``."""
+    found = (getattr(node, "variable", None) for node in nodes)
+    return [v for v in found if isinstance(v, Tensor)]
 
 
 def autograd_inputs(tensors: List[Tensor]) -> List[Any]:
@@ -95,6 +107,9 @@ class SplitBackward:
     captured: Dict[Node, Tuple[Optional[Tensor], ...]] = field(default_factory=dict)
     leaves: Dict[Node, List[Tensor]] = field(default_factory=dict)  # behind each boundary
     whole: bool = False  # W reruns the whole backward (a node shared off the input path)
+    saved: Optional[SavedTensors] = None  # what the forward saved: freed after I but W's
+    # Roots off the input path (an output computed from parameters only): W's alone.
+    off_path: List[Tuple[GradientEdge, Tensor, List[Tensor]]] = field(default_factory=list)
 
     def input(self) -> None:
         """Backpropagate to the stage input only, keeping what ``weight`` needs."""
@@ -110,19 +125,32 @@ class SplitBackward:
         self.whole = any(parents[node] > 1 for node in reaches if node not in path)
         if self.whole:
             return self._input_only()
+        weight_path: List[Node] = []
+        for root, grad in zip(self.roots, self.grads):
+            if root.node not in path:
+                below = _below([root])
+                self.off_path.append((root, grad, _leaves(below)))
+                weight_path += below
         for node in path:
             if node is self.input_node:
                 continue
             edges = [GradientEdge(c, nr) for c, nr in node.next_functions
                      if c is not None and c not in path]
             if edges:
-                self.leaves[node] = _leaves_under(edges)
+                below = _below(edges)
+                self.leaves[node] = _leaves(below)
+                weight_path += [node, *below]
         handles = [node.register_prehook(self._keeper(node)) for node in self.leaves]
         try:
             self._input_only()
         finally:
             for handle in handles:
                 handle.remove()
+        # W starts from the kept gradients: drop the roots, their gradients, and what only
+        # the input path saved (a ReLU's output, the loss's input), keeping W's tensors.
+        self.roots, self.grads = [], []
+        if self.saved is not None:
+            self.saved.release(path, weight_path)
 
     def _input_only(self) -> None:
         torch.autograd.backward(self.roots, self.grads, inputs=[self.wrt_input],
@@ -148,12 +176,14 @@ class SplitBackward:
         wanted = {id(t) for t in wrt}
         captured, self.captured = self.captured, {}
         leaves, self.leaves = self.leaves, {}
+        work = [([root], [grad], behind) for root, grad, behind in self.off_path]
+        self.off_path = []
         for node, behind in leaves.items():
             incoming = captured.get(node)
+            if incoming is not None:
+                work.append(([GradientEdge(node, k) for k, g in enumerate(incoming)
+                              if g is not None], [g for g in incoming if g is not None], behind))
+        for outs, grads, behind in work:
             targets = [t for t in behind if id(t) in wanted]
-            if incoming is None or not targets:
-                continue
-            outs = [GradientEdge(node, k) for k, g in enumerate(incoming) if g is not None]
-            if outs:
-                torch.autograd.backward(outs, [g for g in incoming if g is not None],
-                                        inputs=autograd_inputs(targets))
+            if outs and targets:
+                torch.autograd.backward(outs, grads, inputs=autograd_inputs(targets))

@@ -13,8 +13,9 @@ the graph at every boundary is what lets each stage's backward run on its own th
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from seqpipe.batchnorm import DeferredBatchNorm
 from seqpipe.checkpoint import Replay, first_pass, run_task
 from seqpipe.microbatch import Batch
+from seqpipe.saved import SavedTensors
 from seqpipe.segments import run_segments, segments_of, skips_between
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
@@ -131,6 +133,12 @@ class TaskState:
     replay: Optional["_Pending"] = None  # a checkpointed forward, recomputed at I
     split: Optional[SplitBackward] = None  # between I and W
     head: Optional[Callable[[Batch], Tensor]] = None  # the loss, on a replayed last stage
+    saved: Optional[SavedTensors] = None  # split: what the forward saved, freed after I
+
+    def recording(self) -> ContextManager[None]:
+        """Around more of this micro-batch's forward (the loss on the last stage): what it
+        saves is held with the rest, so that a split backward frees it after ``I``."""
+        return self.saved.recording() if self.saved is not None else nullcontext()
 
 
 @dataclass
@@ -215,7 +223,7 @@ class Stage:
                                received.inputs.tensors, checkpoint=False, seed=seed)
             return self._sent(out, tracker), None
         with torch.enable_grad():  # also inside autograd.Function.forward, where it is off
-            return self._forward_with_grad(received, checkpoint, seed, sink)
+            return self._forward_with_grad(received, checkpoint, seed, sink, split=split)
 
     def _forward_to_replay(self, received: Received, seed: Optional[int],
                            sink: Optional[GradSink]) -> Tuple[Sent, TaskState]:
@@ -242,8 +250,8 @@ class Stage:
         return Sent(Batch.of(out), outgoing)
 
     def _forward_with_grad(self, received: Received, checkpoint: bool, seed: Optional[int],
-                           sink: Optional[GradSink],
-                           replaying: bool = False) -> Tuple[Sent, TaskState]:
+                           sink: Optional[GradSink], replaying: bool = False,
+                           split: bool = False) -> Tuple[Sent, TaskState]:
         keys = tuple(received.skips)
         incoming = [*received.inputs.tensors, *(received.skips[k] for k in keys)]
         present = [i for i, t in enumerate(incoming) if t is not None]
@@ -260,13 +268,15 @@ class Stage:
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         tracker.replaying = replaying
-        if checkpoint and self.segments:  # checkpoint_every: segment by segment
-            tracker.between = self.between
-            out = run_segments(self.segments, self._layers(tracker, sink),
-                               received.inputs.like(inputs).value, seed=seed)
-        else:
-            out = run_task(self._call(tracker, received.inputs, checkpoint, sink), inputs,
-                           checkpoint=checkpoint, seed=seed)
+        state.saved = SavedTensors() if split else None
+        with state.recording():
+            if checkpoint and self.segments:  # checkpoint_every: segment by segment
+                tracker.between = self.between
+                out = run_segments(self.segments, self._layers(tracker, sink),
+                                   received.inputs.like(inputs).value, seed=seed)
+            else:
+                out = run_task(self._call(tracker, received.inputs, checkpoint, sink), inputs,
+                               checkpoint=checkpoint, seed=seed)
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
         state.skip_roots = {k: _edge(t) for k, t in sent.skips.items()}
@@ -305,13 +315,15 @@ class Stage:
             with pending.replay.recomputing():
                 sent, fresh = self._forward_with_grad(pending.received, False,
                                                       pending.replay.seed, pending.sink,
-                                                      replaying=True)
+                                                      replaying=True, split=True)
                 if state.head is not None:
-                    fresh.roots = [get_gradient_edge(state.head(sent.outputs))]
+                    with fresh.recording():
+                        fresh.roots = [get_gradient_edge(state.head(sent.outputs))]
             state.__dict__.update({k: v for k, v in fresh.__dict__.items()
                                    if k not in ("replay", "head")})
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
-        state.split = SplitBackward(roots, grads, state.phony, state.input_node)
+        state.split = SplitBackward(roots, grads, state.phony, state.input_node,
+                                    saved=state.saved)
         state.split.input()
         return self._received_grads(state)
 

@@ -131,6 +131,10 @@ class Tasks:
     def _handing_over(self, s: int, i: int) -> ContextManager[None]:
         return nullcontext()
 
+    def _timed(self, phase: Phase, s: int, i: int) -> ContextManager[None]:
+        """Around each stage computation (``schedule="auto"`` measures them)."""
+        return nullcontext()
+
     def rng_seed(self, s: int, i: int) -> Optional[int]:
         """The seed of the task's private random streams (``None``: the global ones)."""
         return None
@@ -154,13 +158,15 @@ class Tasks:
                 weights: Sequence[float]) -> None:
         """Run ``F(s, i)``: receive, compute, send on (or take the loss on the last stage)."""
         received = self.receive_forward(s, i, inputs)
-        sent, state = self.stages[s].forward(
-            received, grad=self.grad, checkpoint=self.grad and i < self.checkpoint_stop,
-            seed=self.rng_seed(s, i), sink=self._sink(s, i), split=(s, i) in self.split)
+        with self._timed(Phase.FORWARD, s, i):
+            sent, state = self.stages[s].forward(
+                received, grad=self.grad, checkpoint=self.grad and i < self.checkpoint_stop,
+                seed=self.rng_seed(s, i), sink=self._sink(s, i), split=(s, i) in self.split)
         if s == self.num_stages - 1 and loss_fn is not None and targets is not None:
             assert state is not None
             target, weight = targets[i], weights[i]
-            loss = microbatch_loss(i, sent.outputs, target, loss_fn, weight)
+            with state.recording(), self._timed(Phase.FORWARD, s, i):  # freed after I
+                loss = microbatch_loss(i, sent.outputs, target, loss_fn, weight)
             self.losses.append(loss.detach())
             if state.replay is None:
                 state.roots = [get_gradient_edge(loss)]
@@ -177,14 +183,15 @@ class Tasks:
         stage = self.stages[s]
         grads, skip_grads = self.output_grads(s, i)
         if split:
-            received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
+            with self._timed(Phase.BACKWARD_INPUT, s, i):
+                received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
         else:
-            with self._handing_over(s, i):  # hooks: once
+            with self._handing_over(s, i), self._timed(Phase.BACKWARD, s, i):  # hooks: once
                 received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
                                           sink=self._sink(s, i))
         self.send_backward(s, i, received)
 
     def backward_weight(self, s: int, i: int) -> None:
         """Run ``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
-        with self._handing_over(s, i):  # hooks: once
+        with self._handing_over(s, i), self._timed(Phase.BACKWARD_WEIGHT, s, i):
             self.stages[s].backward_weight(self.states.pop((s, i)), sink=self._sink(s, i))

@@ -77,7 +77,8 @@ def test_unknown_name_lists_every_valid_name() -> None:
         get_schedule("zb_h3")
     assert str(info.value) == (
         "unknown schedule 'zb_h3'; valid names: 'fill_drain', 'gpipe', '1f1b', 'zb_h1', "
-        "'zb_h2', 'interleaved_1f1b', 'looped_bfs', 'interleaved_zb', 'zbv', 'dualpipev'")
+        "'zb_h2', 'interleaved_1f1b', 'looped_bfs', 'interleaved_zb', 'zbv', 'dualpipev', "
+        "'auto'")
 
 
 @pytest.mark.parametrize("name", ONE_STAGE)

@@ -29,6 +29,7 @@ from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError
 from seqpipe.distributed.checkpoint import gather_full_state_dict, load, load_into_plain, save
 from seqpipe.microbatch import Batch
+from seqpipe.saved import SavedTensors
 from seqpipe.schedule import (
     SCHEDULES,
     Action,
@@ -37,6 +38,7 @@ from seqpipe.schedule import (
     backward_weight,
     get_schedule,
     placement_of,
+    simulate,
 )
 from seqpipe.schedule import F as Fwd
 from seqpipe.skip import inspect_skip_layout, pop, skippable, stash
@@ -414,6 +416,54 @@ def test_peak_activations_stay_within_the_papers_bounds(tmp_path: Any) -> None:
     assert peaks["zb_h2"] > peaks["zb_h1"], peaks  # the meter sees the extra warm-up
 
 
+def _peak_per_rank(name: str, world: int, chunks: int) -> List[int]:
+    """Every rank's peak of saved bytes in one step of ``deep`` (12 layers in equal stages)
+    under ``name``, with an MSE loss (it saves the output and the target)."""
+    torch.manual_seed(0)
+    stages = placement_of(get_schedule(name), world).num_stages
+    pipe = DistributedPipe(deep(blocks=6)[:-1], chunks, schedule=name, checkpoint="never",
+                           balance=[12 // stages] * stages)
+    x = torch.randn(4 * chunks, 8, dtype=DTYPE)
+    meter = LiveActivations(list(pipe.parameters()))
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        run(pipe, x, x)
+    everyone = [torch.zeros((), dtype=torch.long) for _ in range(world)]
+    dist.all_gather(everyone, torch.tensor(meter.peak))
+    return [int(t) for t in everyone]
+
+
+def _split_memory(rank: int, world: int, result: str) -> None:
+    peaks: Dict[Tuple[str, int], List[int]] = {}
+    for name in ("1f1b", "zb_h1", "zb_h2", "zbv"):
+        for chunks in (1, 6):
+            peaks[(name, chunks)] = _peak_per_rank(name, world, chunks)
+    if rank == 0:
+        torch.save(peaks, result)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_backward_keeps_no_more_than_its_schedule_says(world: int, tmp_path: Any) -> None:
+    """Each rank's peak of saved bytes is at most simulate's peak of live micro-batches
+    (whole ones: a micro-batch through all the rank's layers) times what one micro-batch
+    keeps (measured at M = 1); so the papers' bounds hold, in micro-batches of a rank's
+    layers: ZB-H1 and ZB-V <= 1F1B, ZB-H2 <= 2 x 1F1B. (``I`` must free what only the
+    input path saved, tanh outputs and the loss's input and target: kept until the graph
+    died, they broke the bound.)"""
+    result = str(tmp_path / "peaks.pt")
+    run_workers(_split_memory, world, result, timeout=200)
+    peaks = torch.load(result)
+    for name in ("1f1b", "zb_h1", "zb_h2", "zbv"):
+        live = simulate(name, world, 6).peak_activation_memory
+        unit, peak = peaks[(name, 1)], peaks[(name, 6)]
+        for r in range(world):
+            assert peak[r] <= live[r] * unit[r], (name, r, peak, unit, live)
+    held = {name: max(p / u for p, u in zip(peaks[(name, 6)], peaks[(name, 1)]))
+            for name in ("1f1b", "zb_h1", "zb_h2", "zbv")}  # in micro-batches of a rank
+    assert held["zb_h1"] <= held["1f1b"], held
+    assert held["zbv"] <= held["1f1b"], held
+    assert held["zb_h2"] <= 2 * held["1f1b"], held
+
+
 # --------------------------------------------------------------------------- one stage
 
 
@@ -480,3 +530,77 @@ def test_split_backward_runs_each_operation_once_and_matches_b(shared: bool) -> 
         assert ck_ops["mm"] == 6 and ck_ops["addmm"] == 3 and ck_ops["tanh"] == 3, ck_ops
     else:  # the fallback: W runs the input path again
         assert split_ops["tanh_backward"] == 2 * b_ops["tanh_backward"], (b_ops, split_ops)
+
+
+class ParamsOnlyOutput(nn.Module):
+    """Two outputs, the second computed from a parameter only (off the input path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.p = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return torch.tanh(self.lin(x)), self.p * 3
+
+
+def test_split_backward_frees_the_input_path_after_i_and_stays_exact() -> None:
+    """After I, only what W needs stays saved (the Linear inputs, not the Tanh outputs);
+    an output off the input path still gets its parameter's gradient at W; after W
+    nothing is left."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), ParamsOnlyOutput()).to(DTYPE)
+    stage = _one_stage(model)
+    x = torch.randn(2, 4, dtype=DTYPE)
+    g1, g2 = torch.randn(2, 4, dtype=DTYPE), torch.randn(4, dtype=DTYPE)
+    meter = LiveActivations(list(model.parameters()))
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        _, state = stage.forward(Received(Batch((x,), True), {}, (True,)), grad=True,
+                                 split=True)
+    assert state is not None
+    one = x.numel() * x.element_size()
+    assert meter.live == 4 * one  # 2 Linear inputs, 2 Tanh outputs
+    grads = stage.backward_input(state, [g1, g2], {})
+    assert meter.live == 2 * one  # the Linear inputs, for W
+    stage.backward_weight(state)
+    assert meter.live == 0
+    split = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    xx = x.clone().requires_grad_()
+    torch.autograd.backward(list(model(xx)), [g1, g2])
+    torch.testing.assert_close(grads.inputs[0], xx.grad)
+    for got, param in zip(split, model.parameters()):
+        torch.testing.assert_close(got, param.grad)
+
+
+class ScalesSavedInPlace(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.tanh(x)
+        y.mul_(2)  # tanh saved y for its backward
+        return y
+
+
+def test_split_backward_still_refuses_a_saved_tensor_modified_in_place() -> None:
+    """The forward records under saved-tensor hooks (which autograd does not version-check);
+    the check is kept: the error is autograd's."""
+    stage = _one_stage(nn.Sequential(nn.Linear(4, 4), ScalesSavedInPlace()).to(DTYPE))
+    x = torch.randn(2, 4, dtype=DTYPE)
+    _, state = stage.forward(Received(Batch((x,), True), {}, (True,)), grad=True, split=True)
+    assert state is not None
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stage.backward_input(state, [torch.ones(2, 4, dtype=DTYPE)], {})
+
+
+def test_a_released_saved_tensor_read_again_raises_naming_the_split() -> None:
+    """What ``I`` frees is gone: a backward that would still read it fails loudly, not with
+    garbage; what ``kept`` nodes saved stays."""
+    saved = SavedTensors()
+    x = torch.randn(3, requires_grad=True)
+    with saved.recording():
+        y = torch.tanh(x)
+        z = torch.exp(x)
+    saved.release([y.grad_fn, z.grad_fn], [z.grad_fn])
+    z.sum().backward()
+    torch.testing.assert_close(x.grad, torch.exp(x.detach()))
+    with pytest.raises(RuntimeError, match=r"freed this saved tensor after the input-gradient"):
+        y.sum().backward()

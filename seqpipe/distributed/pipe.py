@@ -20,6 +20,7 @@ from seqpipe.distributed.agreement import (
     check_same_model,
     opened,
 )
+from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import (
     GradientReducer,
     broadcast_buffers,
@@ -45,6 +46,8 @@ from seqpipe.pipe import check_chunks
 from seqpipe.schedule import (
     Action,
     AnySchedule,
+    Auto,
+    AutoChoice,
     Phase,
     Placement,
     get_schedule,
@@ -99,7 +102,10 @@ class DistributedPipe(nn.Module):
             ``V`` stages. Default: split by parameter count into that many stages.
         schedule: a built-in name (``"1f1b"``, ``"fill_drain"``, ``"zb_h1"``, ``"zb_h2"``,
             ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zb"``, ``"zbv"``,
-            ``"dualpipev"``), or any ``seqpipe.schedule.Schedule`` or ``StagedSchedule``.
+            ``"dualpipev"``), or any ``seqpipe.schedule.Schedule`` or ``StagedSchedule``;
+            ``"auto"`` or a ``seqpipe.schedule.Auto``: the first ``train_step`` measures
+            each stage's costs, and the candidate the simulator predicts fastest runs from
+            the next call on (see ``auto_choice``).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         checkpoint_every: checkpoint each run of this many consecutive layers of a stage
             separately (DeepSpeed's ``activation_checkpoint_interval``); default None:
@@ -204,6 +210,18 @@ class DistributedPipe(nn.Module):
             self._tied.verify(tied_on_meta, at_construction=True)
         self._validated = {self.chunks}
         self._plans: Dict[Tuple[int, bool], _CallPlan] = {}
+        self._auto = (AutoRunner(self.schedule, self.num_ranks, self.num_stages, group,
+                                 data_parallel_group, self.device)
+                      if isinstance(self.schedule, Auto) else None)
+
+    @property
+    def auto_choice(self) -> Optional[AutoChoice]:
+        """Under ``schedule="auto"``: what it picked for ``chunks`` micro-batches, once the
+        first ``train_step`` has measured the costs (``None`` before, or without auto)."""
+        if self._auto is None or self._auto.costs is None:
+            return None
+        self._auto.schedule_for(self.chunks)
+        return self._auto.choices[self.chunks]
 
     def _tied_on_meta(self) -> List[bool]:
         """Per tie, whether this stage's copy is on ``meta`` (to be freshly initialised)."""
@@ -233,7 +251,9 @@ class DistributedPipe(nn.Module):
         return balance
 
     def _check_same_everywhere(self, module: nn.Sequential) -> int:
-        config = (self.balance, self.chunks, self.checkpoint, type(self.schedule).__qualname__,
+        schedule = (repr(self.schedule) if isinstance(self.schedule, Auto)  # its options too
+                    else type(self.schedule).__qualname__)
+        config = (self.balance, self.chunks, self.checkpoint, schedule,
                   self.placement.ranks, self.broadcast_buffers, [tie.names for tie in self.ties],
                   self.base_seed)
         return check_same_model(module, config, self.group, self.device,
@@ -254,11 +274,12 @@ class DistributedPipe(nn.Module):
     def _plan(self, m: int, grad: bool) -> "_CallPlan":
         """This rank's actions in a call of ``m`` micro-batches, and its messages."""
         if (m, grad) not in self._plans:
+            schedule = self._auto.schedule_for(m) if self._auto else self.schedule
             if m not in self._validated:
-                validate_schedule(self.schedule, self.num_ranks, m)
+                validate_schedule(schedule, self.num_ranks, m)
                 self._validated.add(m)
             k, me, where = self.num_ranks, self.rank, self.placement
-            actions = call_actions(self.schedule, k, m, grad)
+            actions = call_actions(schedule, k, m, grad)
             self._plans[(m, grad)] = _CallPlan(
                 actions[me],
                 {r: messages(r, me, actions, self._layout, grad, where) for r in range(k)
@@ -354,9 +375,15 @@ class DistributedPipe(nn.Module):
         seed = backward_seed(scaler, self)  # a wrong scaler: raised here, the pipe unharmed
         self._transport.begin()
         call = Call(self._stages, self._transport, self._layout, self.placement, grad=True,
-                    seed=seed)
+                    seed=seed, timer=self._auto.timer() if self._auto else None)
         with self._dropping_statistics_on_failure():
-            return self._train_step(call, input, target, loss_fn)
+            loss = self._train_step(call, input, target, loss_fn)
+        if call.timer is not None and self._auto is not None:  # measured: pick from now on
+            self._auto.decide(call.timer, call.microbatches)
+            self._plans.clear()
+            self._validated.clear()
+            self.auto_choice  # noqa: B018 -- logs the pick for `chunks` now
+        return loss
 
     @contextmanager
     def _dropping_statistics_on_failure(self) -> Iterator[None]:

@@ -36,11 +36,12 @@ from typing import (
 from torch import Tensor
 
 from seqpipe.distributed.accumulate import StepGrads
+from seqpipe.distributed.auto import ActionTimer
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.distributed.values import check_values
 from seqpipe.microbatch import Batch
-from seqpipe.schedule import Action, Placement
+from seqpipe.schedule import Action, Phase, Placement
 from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
@@ -79,6 +80,7 @@ class Call(Tasks):
     outputs: List[Batch] = field(default_factory=list)
     losses: List[Tensor] = field(default_factory=list)
     action: str = "the start of the step"
+    timer: Optional[ActionTimer] = None  # times each stage computation (schedule="auto")
 
     @property
     def rank(self) -> int:
@@ -102,6 +104,9 @@ class Call(Tasks):
     def _sink(self, stage: int, i: int) -> Optional[GradSink]:
         grads = self.grads.get(stage)
         return grads.sink_for(i) if grads is not None else None
+
+    def _timed(self, phase: Phase, stage: int, i: int) -> ContextManager[None]:
+        return self.timer.timed(phase, stage, i) if self.timer is not None else nullcontext()
 
     def _handing_over(self, stage: int, i: int) -> ContextManager[None]:
         grads = self.grads.get(stage)

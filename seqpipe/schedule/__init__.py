@@ -27,6 +27,7 @@ from seqpipe.schedule.action import (
     forward,
     forward_phase,
 )
+from seqpipe.schedule.auto import Auto, AutoChoice, Costs, Prediction
 from seqpipe.schedule.dualpipe import DualPipeV
 from seqpipe.schedule.fill_drain import FillDrain, LoopedBFS
 from seqpipe.schedule.one_f_one_b import Interleaved1F1B, OneFOneB
@@ -53,7 +54,10 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "AnySchedule",
+    "Auto",
+    "AutoChoice",
     "B",
+    "Costs",
     "DualPipeV",
     "F",
     "FillDrain",
@@ -64,6 +68,7 @@ __all__ = [
     "OneFOneB",
     "Phase",
     "Placement",
+    "Prediction",
     "Schedule",
     "ScheduleError",
     "Simulation",

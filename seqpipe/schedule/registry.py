@@ -34,14 +34,19 @@ SCHEDULES: dict[str, Callable[[], AnySchedule]] = {
 def get_schedule(name_or_schedule: Union[str, AnySchedule]) -> AnySchedule:
     """Resolve a built-in name (see :data:`SCHEDULES`) or pass a schedule object through.
 
-    Names are case-insensitive and ``-`` reads as ``_``. An unknown name raises
+    ``"auto"`` gives ``Auto()``, which picks among the one-stage-per-rank built-ins by
+    measured costs. Names are case-insensitive and ``-`` reads as ``_``. An unknown name raises
     ``ValueError`` listing the valid ones; an object with neither ``actions(...)`` nor
     ``placement(...)`` and ``rank_actions(...)`` raises ``TypeError``.
     """
     if isinstance(name_or_schedule, str):
         key = name_or_schedule.strip().lower().replace("-", "_")
+        if key == "auto":  # not a built-in: it picks one (seqpipe.schedule.auto)
+            from seqpipe.schedule.auto import Auto
+
+            return Auto()
         if key not in SCHEDULES:
-            valid = ", ".join(repr(n) for n in SCHEDULES)
+            valid = ", ".join(repr(n) for n in [*SCHEDULES, "auto"])
             raise ValueError(f"unknown schedule {name_or_schedule!r}; valid names: {valid}")
         return SCHEDULES[key]()
     if isinstance(name_or_schedule, type):

@@ -1,0 +1,123 @@
+"""``schedule="auto"`` on a ``DistributedPipe``: measure the first step, agree, then switch.
+
+The first ``train_step`` runs ``Auto``'s measuring schedule (a split one: it times ``F``,
+``I`` and ``W`` of every stage) with an ``ActionTimer`` around each stage computation (not
+around the waits for data, which are the bubble, not the cost). At its end every rank adds
+its stages' times, in integer nanoseconds per action, into one table with an all-reduce over the
+pipeline group (and over the data-parallel group, so replicas agree too): integer sums do
+not depend on the order of the reduction, so every rank holds the same costs, bit for bit,
+and ``Auto.choose``, deterministic, picks the same schedule everywhere. No object is pickled.
+From the next call on, each call of ``m`` micro-batches runs the pick for ``m``.
+
+The pick is logged once per ``m`` on the pipeline's rank 0, on the ``seqpipe.distributed``
+logger at INFO (a library does not print); ``DistributedPipe.auto_choice`` holds it.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpipe.schedule import AnySchedule, Phase, get_schedule
+from seqpipe.schedule.auto import Auto, AutoChoice, Costs
+
+__all__ = ["ActionTimer", "AutoRunner"]
+
+logger = logging.getLogger("seqpipe.distributed")
+_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT)
+
+
+class ActionTimer:
+    """Nanoseconds each stage spends computing each phase of each micro-batch in one step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: Dict[Tuple[int, int, int], int] = {}  # (phase row, stage, micro-batch)
+
+    @contextmanager
+    def timed(self, phase: Phase, stage: int, microbatch: int) -> Iterator[None]:
+        """Around one stage computation (on a GPU, synchronised: the first step only)."""
+        self._sync()
+        start = time.perf_counter_ns()
+        yield
+        self._sync()
+        key = (_PHASES.index(phase), stage, microbatch)
+        self.times[key] = self.times.get(key, 0) + time.perf_counter_ns() - start
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def table(self, num_stages: int, num_microbatches: int) -> Tensor:
+        """``[time ns, count]`` per phase, stage and micro-batch (zeros: not run here)."""
+        table = torch.zeros(2, len(_PHASES), num_stages, num_microbatches, dtype=torch.int64)
+        for (row, stage, i), ns in self.times.items():
+            table[0, row, stage, i] = ns
+            table[1, row, stage, i] = 1
+        return table
+
+
+def _costs(table: Tensor) -> Costs:
+    """Per stage, the median over micro-batches (robust to the first one's one-time costs:
+    allocations, lazy initialisation), in seconds; a stage measured without a split gets
+    ``I = W = B / 2``."""
+    total, count = table.tolist()
+
+    def median(row: int, stage: int) -> float:
+        seen = [t / c for t, c in zip(total[row][stage], count[row][stage]) if c]
+        return statistics.median(seen) / 1e9 if seen else 0.0
+
+    fwd, inp, wgt = [], [], []
+    for s in range(table.shape[2]):
+        fwd.append(median(0, s))
+        if any(count[2][s]):  # I (and W) measured
+            inp.append(median(2, s))
+            wgt.append(median(3, s))
+        else:
+            inp.append(median(1, s) / 2)
+            wgt.append(median(1, s) / 2)
+    return Costs(tuple(fwd), tuple(inp), tuple(wgt))
+
+
+class AutoRunner:
+    """A pipe's ``Auto`` schedule: the measuring one until the costs are known, then the
+    pick for each number of micro-batches."""
+
+    def __init__(self, auto: Auto, num_ranks: int, num_stages: int,
+                 group: Optional[dist.ProcessGroup],
+                 data_parallel_group: Optional[dist.ProcessGroup],
+                 device: torch.device) -> None:
+        self.auto = auto
+        self.num_ranks, self.num_stages = num_ranks, num_stages
+        self.group, self.data_parallel_group, self.device = group, data_parallel_group, device
+        self.costs: Optional[Costs] = None
+        self.choices: Dict[int, AutoChoice] = {}
+
+    def schedule_for(self, m: int) -> AnySchedule:
+        """What a call of ``m`` micro-batches runs."""
+        if self.costs is None:
+            return self.auto
+        if m not in self.choices:
+            self.choices[m] = self.auto.choose(self.costs, self.num_ranks, m)
+            if dist.get_rank(self.group) == 0:
+                logger.info(self.choices[m].describe(self.auto.max_live_microbatches))
+        return get_schedule(self.choices[m].name)
+
+    def timer(self) -> Optional[ActionTimer]:
+        """A timer for the next training step while the costs are unknown."""
+        return ActionTimer(self.device) if self.costs is None else None
+
+    def decide(self, timer: ActionTimer, num_microbatches: int) -> None:
+        """Collective over the pipeline (and data-parallel) group, after a step of
+        ``num_microbatches`` that every rank completed: the costs, the same on every rank."""
+        table = timer.table(self.num_stages, num_microbatches).to(self.device)
+        dist.all_reduce(table, group=self.group)
+        if self.data_parallel_group is not None:
+            dist.all_reduce(table, group=self.data_parallel_group)
+        self.costs = _costs(table.cpu())

@@ -1,0 +1,125 @@
+"""The tensors one micro-batch's forward saved for backward, held so a split backward can
+drop, right after its ``I``, those that only the input path needed.
+
+A split backward's ``I`` runs with ``retain_graph``, because its ``W`` runs part of the
+same graph afterwards. Autograd then keeps every saved tensor of the graph, those of the
+nodes ``W`` will never run again included (a ReLU's output, a loss's input), until the
+graph dies: each micro-batch between its ``I`` and its ``W`` would hold its input path's
+activations too, and a zero-bubble schedule would break its papers' memory bound (ZB-H1
+no more than 1F1B). There is no public way to free one node's saved tensors, so the
+forward records under a ``saved_tensors_hooks`` pair whose pack puts each saved tensor in a
+holder that only autograd references; after ``I``, ``release`` empties the holders of the
+nodes ``I`` ran that ``W`` does not run, and the tensors die with the last reference.
+
+The hooks delegate to those the caller installed (a saved-tensor meter, ``save_on_cpu``):
+their pack runs on the tensor and their unpack on what it returned, as without seqpipe.
+Which holders a node owns is read by touching its saved attributes while *probing*: the
+unpack then notes the holder and hands autograd an empty tensor instead of unpacking.
+With hooks a saved tensor is not version-checked by autograd, so the unpack checks it:
+modifying a saved tensor in place still raises autograd's error.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["SavedTensors"]
+
+Node = Any  # torch.autograd.graph.Node
+_NAMES: Dict[type, Tuple[str, ...]] = {}  # node type -> its saved attributes
+
+
+class _Held:
+    """One saved tensor (or what the caller's pack hook made of it)."""
+
+    __slots__ = ("value", "unpack", "version", "dtype", "device")
+
+    def __init__(self, value: Any, unpack: Optional[Callable[[Any], Tensor]],
+                 tensor: Tensor) -> None:
+        self.value: Optional[Any] = value
+        self.unpack = unpack  # the caller's unpack hook, if its pack made ``value``
+        self.version = tensor._version
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+
+
+def _saved_names(node: Node) -> Tuple[str, ...]:
+    """The attributes of ``node`` that unpack its saved tensors (``_saved_mat1``; a custom
+    Function's ``saved_tensors``)."""
+    kind = type(node)
+    names = _NAMES.get(kind)
+    if names is None:
+        raw = [a[len("_raw_saved_"):] for a in dir(node) if a.startswith("_raw_saved_")]
+        names = tuple(f"_saved_{r}" if hasattr(node, f"_saved_{r}") else f"saved_{r}"
+                      for r in raw)
+        _NAMES[kind] = names
+    return names
+
+
+class SavedTensors:
+    """What one (stage, micro-batch) forward saved for backward, in releasable holders."""
+
+    def __init__(self) -> None:
+        self._outer: Optional[Tuple[Any, Any]] = None
+        self._probe: Optional[List[_Held]] = None
+
+    def recording(self) -> ContextManager[None]:
+        """Around the forward (and a loss computed on its output): hold what it saves.
+        Where saved-tensor hooks are disabled, nothing is held (nor ever released)."""
+        if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
+            return nullcontext()
+        return self._recording()
+
+    @contextmanager
+    def _recording(self) -> Iterator[None]:
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor: Tensor) -> _Held:
+        if self._outer is not None:
+            return _Held(self._outer[0](tensor), self._outer[1], tensor)
+        # Detached: an output saved with its grad_fn would be a cycle through the node
+        # that saves it (autograd gives the unpacked tensor its grad_fn back).
+        return _Held(tensor.detach(), None, tensor)
+
+    def _unpack(self, held: _Held) -> Tensor:
+        if self._probe is not None:
+            self._probe.append(held)
+            return torch.empty(0, dtype=held.dtype, device=held.device)
+        if held.value is None:
+            raise RuntimeError(
+                "seqpipe freed this saved tensor after the input-gradient pass (I) of a "
+                "split backward, as the weight-gradient pass (W) should not need it; a "
+                "backward that reads it after I is not supported (report it with the model)")
+        if held.unpack is not None:
+            return held.unpack(held.value)
+        value = held.value
+        if value._version != held.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified "
+                f"by an inplace operation: [{value.type()} {list(value.shape)}] is at "
+                f"version {value._version}; expected version {held.version} instead")
+        return value
+
+    def _holders(self, nodes: Iterable[Node]) -> Dict[int, _Held]:
+        """The holders that ``nodes`` own, by id, read without unpacking them."""
+        probe: List[_Held] = []
+        self._probe = probe
+        try:
+            for node in nodes:
+                for name in _saved_names(node):
+                    getattr(node, name)
+        finally:
+            self._probe = None
+        return {id(h): h for h in probe}
+
+    def release(self, ran: Iterable[Node], kept: Iterable[Node]) -> None:
+        """Free what the nodes ``ran`` saved, except what the nodes ``kept`` still need."""
+        needed = self._holders(kept)
+        for key, held in self._holders(ran).items():
+            if key not in needed:
+                held.value = None

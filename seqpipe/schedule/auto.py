@@ -1,0 +1,164 @@
+"""``Auto``: pick the built-in schedule the simulator predicts fastest for measured costs.
+
+An engine runs ``Auto`` as a schedule of its own for its first training step: the first
+candidate that splits its backward (so the step measures ``F``, ``I`` and ``W`` of every
+stage; ``B = I + W``) and keeps within the memory cap. With the per-stage costs of that step
+(``Costs``), :meth:`Auto.choose` simulates every candidate that can lay out the call's
+micro-batches and keeps within the cap, and picks the shortest predicted step; ties go to
+the earlier candidate, so every rank, given the same costs, picks the same.
+
+A pipeline's placement (which rank holds which stages, and the layers of each) is fixed
+when it is built, so the candidates must share one: ``Auto.ONE_PER_RANK`` (the default),
+``Auto.LOOPED`` (stage ``s`` on rank ``s mod K``, two per rank) or ``Auto.V_SHAPE``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from seqpipe.schedule.action import Action, Phase
+from seqpipe.schedule.placement import Placement
+from seqpipe.schedule.protocol import ScheduleError, placement_of, rank_orders
+from seqpipe.schedule.registry import SCHEDULES, get_schedule
+from seqpipe.schedule.simulate import simulate
+
+__all__ = ["Auto", "AutoChoice", "Costs", "Prediction"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per micro-batch of each stage's ``F``, ``I`` and ``W`` (``B = I + W``)."""
+
+    forward: tuple[float, ...]
+    input: tuple[float, ...]
+    weight: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate's simulated step: its makespan (seconds) and peak memory (the most
+    whole micro-batches of a rank's layers alive at once, ``peak_activation_memory``)."""
+
+    name: str
+    makespan: float
+    peak: float
+    fits: bool  # within the memory cap
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What :meth:`Auto.choose` picked for a call of ``num_microbatches``, and why."""
+
+    name: str
+    num_microbatches: int
+    predictions: tuple[Prediction, ...]  # the candidates that can run, fastest first
+    costs: Costs
+
+    def describe(self, cap: Optional[float]) -> str:
+        """One line: the pick and every candidate's predicted step."""
+        shown = ", ".join(f"{p.name} {p.makespan * 1e3:.1f} ms"
+                          + ("" if p.fits else f" (peak {p.peak:g} > cap)")
+                          for p in self.predictions)
+        limit = "" if cap is None else f", at most {cap:g} live micro-batches per rank"
+        return (f"seqpipe: schedule='auto' picked {self.name!r} for {self.num_microbatches} "
+                f"micro-batches{limit}; predicted step: {shown}")
+
+
+def _splits(schedule: object, num_ranks: int, m: int) -> bool:
+    _, orders = rank_orders(schedule, num_ranks, m)  # type: ignore[arg-type]
+    return any(a.phase is Phase.BACKWARD_INPUT for row in orders for a in row)
+
+
+class Auto:
+    """The schedule ``DistributedPipe(..., schedule="auto")`` runs (``Auto()``).
+
+    Args:
+        candidates: built-in names sharing one placement, in order of preference on ties.
+        max_live_microbatches: the most activations a rank may hold, in whole micro-batches
+            of its layers (``Simulation.peak_activation_memory``); candidates above it are
+            not picked (if none fits, the one with the smallest peak is). Default: no cap.
+    """
+
+    ONE_PER_RANK = ("zb_h1", "zb_h2", "1f1b", "fill_drain")
+    LOOPED = ("interleaved_zb", "interleaved_1f1b", "looped_bfs")
+    V_SHAPE = ("zbv", "dualpipev")
+
+    def __init__(self, candidates: Sequence[str] = ONE_PER_RANK, *,
+                 max_live_microbatches: Optional[float] = None) -> None:
+        if isinstance(candidates, str) or not candidates:
+            raise ValueError("Auto needs a non-empty sequence of built-in schedule names, "
+                             f"e.g. Auto.ONE_PER_RANK = {Auto.ONE_PER_RANK}")
+        names = []
+        for name in candidates:
+            get_schedule(name)  # an unknown name: ValueError listing the valid ones
+            key = name.strip().lower().replace("-", "_")
+            names.append("fill_drain" if key == "gpipe" else key)
+        self.candidates = tuple(dict.fromkeys(names))
+        if max_live_microbatches is not None and not max_live_microbatches > 0:
+            raise ValueError(f"max_live_microbatches must be > 0, got {max_live_microbatches!r}")
+        self.max_live_microbatches = max_live_microbatches
+
+    def __repr__(self) -> str:
+        return (f"Auto({list(self.candidates)}, "
+                f"max_live_microbatches={self.max_live_microbatches})")
+
+    def placement(self, num_ranks: int) -> Placement:
+        """The candidates' common placement; ``ScheduleError`` if they differ."""
+        placements = {n: placement_of(SCHEDULES[n](), num_ranks) for n in self.candidates}
+        first = placements[self.candidates[0]]
+        for name, placement in placements.items():
+            if placement.ranks != first.ranks:
+                raise ScheduleError(
+                    f"Auto's candidates must place stages alike, since a pipeline cannot "
+                    f"move layers once built: {self.candidates[0]!r} places stages on ranks "
+                    f"{list(first.ranks)}, {name!r} on {list(placement.ranks)}; choose "
+                    f"among one of Auto.ONE_PER_RANK, Auto.LOOPED, Auto.V_SHAPE")
+        return first
+
+    def _runnable(self, num_ranks: int, m: int) -> list[tuple[str, float]]:
+        """The candidates that can lay out ``m`` micro-batches, with their peak memory."""
+        out = []
+        for name in self.candidates:
+            try:
+                peak = max(simulate(name, num_ranks, m).peak_activation_memory)
+            except ScheduleError:
+                continue
+            out.append((name, peak))
+        if not out:
+            raise ScheduleError(f"none of Auto's candidates {list(self.candidates)} can run "
+                                f"{m} micro-batches on {num_ranks} ranks")
+        return out
+
+    def _fits(self, peak: float) -> bool:
+        cap = self.max_live_microbatches
+        return cap is None or peak <= cap + 1e-9
+
+    def measuring(self, num_ranks: int, m: int) -> str:
+        """The schedule of the first step: the first runnable candidate within the cap
+        that splits its backward; else the first within the cap; else the smallest peak."""
+        runnable = self._runnable(num_ranks, m)
+        fitting = [n for n, peak in runnable if self._fits(peak)]
+        split = [n for n in fitting if _splits(SCHEDULES[n](), num_ranks, m)]
+        if split or fitting:
+            return (split or fitting)[0]
+        return min(runnable, key=lambda np: np[1])[0]
+
+    def rank_actions(self, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+        """Before costs are known: the measuring schedule's actions."""
+        name = self.measuring(num_ranks, num_microbatches)
+        return rank_orders(SCHEDULES[name](), num_ranks, num_microbatches)[1][rank]
+
+    def choose(self, costs: Costs, num_ranks: int, m: int) -> AutoChoice:
+        """The runnable candidate with the shortest simulated step for ``costs`` within the
+        cap (the smallest peak if none fits); ties: the earlier candidate."""
+        predictions = []
+        for name, peak in self._runnable(num_ranks, m):
+            sim = simulate(name, num_ranks, m, forward_cost=costs.forward,
+                           input_cost=costs.input, weight_cost=costs.weight)
+            predictions.append(Prediction(name, sim.makespan, peak, self._fits(peak)))
+        fitting = [p for p in predictions if p.fits]
+        best = (min(fitting, key=lambda p: p.makespan) if fitting
+                else min(predictions, key=lambda p: p.peak))
+        ranked = tuple(sorted(predictions, key=lambda p: p.makespan))  # stable: ties keep order
+        return AutoChoice(best.name, m, ranked, costs)
