@@ -375,3 +375,50 @@ def test_cuda_partitions(devices: List[str], schedule: str) -> None:
     torch.testing.assert_close(loss.cpu(), loss_ref)
     for p, g in zip(model.parameters(), grads_ref):
         torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-9, atol=1e-11)
+
+
+class Scaled(nn.Module):
+    """A first layer that takes ``(x, scale, flag)``: a whole-batch tensor and a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+
+    def forward(self, inputs: tuple) -> Tensor:
+        x, scale, flag = inputs
+        assert flag == "on"  # the non-tensor value reaches every micro-batch unchanged
+        return self.lin(x) * scale.sum()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_train_step_takes_nochunk_tensors_and_values(schedule: str) -> None:
+    """Non-tensor values and a ``NoChunk`` tensor reach every micro-batch's first layer under a
+    schedule as under ``forward``; the ``NoChunk`` tensor's gradient is the whole batch's."""
+    from seqpipe import NoChunk
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(), nn.Tanh(), nn.Linear(W, W)).double()
+    x, y = data()
+    scale = torch.rand(3, dtype=torch.float64, requires_grad=True)
+    plain = copy.deepcopy(model)
+    nn.functional.mse_loss(plain((x, scale, "on")), y).backward()
+    expected_scale = scale.grad
+    scale.grad = None
+    pipe = Pipe(model, chunks=4, balance=[1, 2])
+    loss = pipe.train_step((x, NoChunk(scale), "on"), y, nn.functional.mse_loss,
+                           schedule=schedule)
+    assert torch.allclose(loss, nn.functional.mse_loss(plain((x, scale, "on")), y))
+    assert_grads(pipe.parameters(), [p.grad for p in plain.parameters()])
+    assert torch.allclose(scale.grad, expected_scale)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_train_step_checkpoints_every_n_layers(schedule: str) -> None:
+    """``checkpoint_every`` composes with the schedules' own recomputation."""
+    model = plain_model(skips=True, layers=8)
+    x, y = data()
+    expected_loss, expected = reference(model, x, y)
+    pipe = Pipe(model, chunks=4, balance=[4, 4], checkpoint="always", checkpoint_every=2)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)
+    assert torch.allclose(loss, expected_loss)
+    assert_grads(pipe.parameters(), expected)
