@@ -23,6 +23,8 @@ from seqpipe.skip.tracker import SkipKey
 from seqpipe.stage import Grads, Received, Stage, TaskState, moved, wants_grad
 from seqpipe.stream import move
 from seqpipe.thread_state import ThreadState
+from seqpipe.trace import hooks
+from seqpipe.trace.events import EventKind
 from seqpipe.worker import Mailbox, Program, run_groups
 
 __all__ = ["LocalPipeline", "LocalRun"]
@@ -40,6 +42,7 @@ class LocalRun:
     sink: Optional[GradSink] = None  # where parameter gradients add up, with grad
     outputs: List[Optional[Batch]] = field(default_factory=list)
     input_grads: List[Optionals] = field(default_factory=list)
+    trace_step: Optional[int] = None  # its index in an open seqpipe.trace.record()
 
 
 class LocalPipeline:
@@ -66,7 +69,8 @@ class LocalPipeline:
     def forward(self, batches: Sequence[Batch], *, grad: bool, checkpoint_stop: int) -> LocalRun:
         """Run every micro-batch through every stage; outputs land in ``run.outputs``."""
         m, k = len(batches), len(self.stages)
-        run = LocalRun(m, grad, outputs=[None] * m)
+        run = LocalRun(m, grad, outputs=[None] * m,
+                       trace_step=hooks.begin_step(self.schedule, k, k, m, backward=grad))
         if grad:
             run.sink = GradSink([stage.partition for stage in self.stages])
         seeds = draw_seeds(m * k) if self.isolate_rng else None
@@ -82,22 +86,33 @@ class LocalPipeline:
                 return mailbox.has(("act", s, i)) and all(
                     mailbox.has(("skip", s, i, key)) for key in popped)
 
+            def awaits(a: Action) -> Optional[Tuple[int, str]]:
+                """What ``a`` still waits for, while tracing: (stage, message)."""
+                i = a.microbatch
+                if not mailbox.has(("act", s, i)):
+                    return s - 1, "activation"
+                for key in popped:
+                    if not mailbox.has(("skip", s, i, key)):
+                        return self.layout.stash_partition(*key), "skip tensor"
+                return None
+
             def execute(a: Action) -> None:
                 i = a.microbatch
                 inputs, flags = mailbox.take(("act", s, i))
                 skips = [mailbox.take(("skip", s, i, key)) for key in popped]
                 received = Received(inputs, dict(zip(popped, (t for t, _ in skips))),
                                     flags + tuple(f for _, f in skips))
-                sent, state = self.stages[s].forward(
-                    received, grad=grad, checkpoint=grad and i < checkpoint_stop,
-                    seed=None if seeds is None else seeds[i * k + s],
-                    sink=run.sink)
+                with hooks.span(EventKind.FORWARD, s, i):
+                    sent, state = self.stages[s].forward(
+                        received, grad=grad, checkpoint=grad and i < checkpoint_stop,
+                        seed=None if seeds is None else seeds[i * k + s],
+                        sink=run.sink)
                 if state is not None:
                     run.states[(s, i)] = state
                 self._send_forward(mailbox, run, s, i, sent.outputs, sent.skips)
 
             return Program(s, forward_phase(self._actions(s, m)), ready, execute,
-                           self.stages[s].device)
+                           self.stages[s].device, awaits)
 
         try:
             run_groups([[program(s)] for s in range(k)], mailbox,
@@ -108,18 +123,22 @@ class LocalPipeline:
             raise
         for stage in self.stages:
             stage.finish_forward()
+        if not grad:
+            hooks.end_step(run.trace_step)
         return run
 
     def _send_forward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int, outputs: Batch,
                       skips: Dict[SkipKey, Optional[Tensor]]) -> None:
         if s + 1 < len(self.stages):
-            mailbox.put(("act", s + 1, i), moved(outputs, self.devices[s + 1]))
+            with hooks.span(EventKind.SEND, s, i, peer=s + 1, what="activation"):
+                mailbox.put(("act", s + 1, i), moved(outputs, self.devices[s + 1]))
         else:
             run.outputs[i] = Batch(tuple(t.detach() for t in outputs.tensors), outputs.atomic)
         for key, tensor in skips.items():
             dest = self.layout.pop_partition(*key)
-            mailbox.put(("skip", dest, i, key), (move(tensor, self.devices[dest]),
-                                                  wants_grad(tensor)))
+            with hooks.span(EventKind.SEND, s, i, peer=dest, what="skip tensor"):
+                mailbox.put(("skip", dest, i, key), (move(tensor, self.devices[dest]),
+                                                      wants_grad(tensor)))
 
     # -- backward ----------------------------------------------------------------------
     def backward(self, run: LocalRun,
@@ -136,6 +155,7 @@ class LocalPipeline:
                 "Run the forward again (there is no retain_graph for a Pipe)")
         m, k = run.num_microbatches, len(self.stages)
         run.input_grads = [()] * m
+        hooks.resume_step(run.trace_step)
         mailbox = Mailbox()
         for i, grads in enumerate(grad_outputs):
             mailbox.put(("grad", k - 1, i), grads)
@@ -148,31 +168,45 @@ class LocalPipeline:
                 return mailbox.has(("grad", s, i)) and all(
                     mailbox.has(("skipgrad", s, i, key)) for key in stashed)
 
+            def awaits(a: Action) -> Optional[Tuple[int, str]]:
+                """What ``a`` still waits for, while tracing: (stage, message)."""
+                i = a.microbatch
+                if not mailbox.has(("grad", s, i)):
+                    return s + 1, "gradient"
+                for key in stashed:
+                    if not mailbox.has(("skipgrad", s, i, key)):
+                        return self.layout.pop_partition(*key), "skip gradient"
+                return None
+
             def execute(a: Action) -> None:
                 i = a.microbatch
                 grads = mailbox.take(("grad", s, i))
                 skip_grads = {key: mailbox.take(("skipgrad", s, i, key)) for key in stashed}
-                received = self.stages[s].backward(run.states.pop((s, i)), grads, skip_grads,
-                                                   sink=run.sink)
+                with hooks.span(EventKind.BACKWARD, s, i):
+                    received = self.stages[s].backward(run.states.pop((s, i)), grads,
+                                                       skip_grads, sink=run.sink)
                 self._send_backward(mailbox, run, s, i, received)
 
             return Program(s, backward_phase(self._actions(s, m)), ready, execute,
-                           self.stages[s].device)
+                           self.stages[s].device, awaits)
 
         programs = [program(s) for s in range(k)]
         inline = [p for p in programs if p.device.type != "cpu"]
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         run_groups([inline, *threaded] if inline else threaded, mailbox,
                    ThreadState(concurrent=len(threaded), devices=self.devices))
+        hooks.end_step(run.trace_step)
         return dict(run.sink.take()) if run.sink is not None else {}
 
     def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,
                        received: Grads) -> None:
         if s > 0:
-            mailbox.put(("grad", s - 1, i),
-                        tuple(move(g, self.devices[s - 1]) for g in received.inputs))
+            with hooks.span(EventKind.SEND, s, i, peer=s - 1, what="gradient"):
+                mailbox.put(("grad", s - 1, i),
+                            tuple(move(g, self.devices[s - 1]) for g in received.inputs))
         else:
             run.input_grads[i] = received.inputs
         for key, grad in received.skips.items():
             src = self.layout.stash_partition(*key)
-            mailbox.put(("skipgrad", src, i, key), move(grad, self.devices[src]))
+            with hooks.span(EventKind.SEND, s, i, peer=src, what="skip gradient"):
+                mailbox.put(("skipgrad", src, i, key), move(grad, self.devices[src]))

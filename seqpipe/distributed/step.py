@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
+from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
@@ -46,13 +47,13 @@ from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
 from seqpipe.stage import Received, Stage, TaskState, moved
+from seqpipe.trace import hooks
+from seqpipe.trace.events import EventKind
 
 __all__ = ["Call", "LossFn", "describe"]
 
 LossFn = Callable[[Any, Any], Tensor]
-_WHAT = {Kind.ACTIVATION: "activation", Kind.GRAD: "gradient", Kind.SKIP: "skip tensor",
-         Kind.SKIP_GRAD: "skip gradient", Kind.STEP: "start of the step",
-         Kind.DONE: "end of the step", Kind.LOSS: "loss"}
+_WHAT = traced.WHAT
 
 
 @dataclass
@@ -115,19 +116,25 @@ class Call:
         wanted = (kind, microbatch, key, origin)
         if src == self.rank:  # from a stage of this rank: handed over already
             return self.local.pop(wanted)
-        while wanted not in self.inbox:
-            try:
-                message = self.transport.recv(src)
-            except PeerError as exc:
-                raise PeerError(f"{exc}\n  {self.name()} was at {self.action}, waiting "
-                                f"for the {_WHAT[kind]} from {self.name(src)}",
-                                peer=src) from None
-            except Exception as exc:
-                raise PeerError(
-                    f"{self.name()} lost {self.name(src)} while at {self.action}, waiting "
-                    f"for the {_WHAT[kind]}: {type(exc).__name__}: {exc}", peer=src) from exc
-            self.inbox[(message.kind, message.microbatch, message.key, message.origin)] = message
+        with traced.receiving(self, src, wanted):
+            while wanted not in self.inbox:
+                self._take(src, kind)
         return self.inbox.pop(wanted)
+
+    def _take(self, src: int, kind: Kind) -> None:
+        """Receive the next message from rank ``src`` into the inbox (waiting for a
+        ``kind``)."""
+        try:
+            message = self.transport.recv(src)
+        except PeerError as exc:
+            raise PeerError(f"{exc}\n  {self.name()} was at {self.action}, waiting "
+                            f"for the {_WHAT[kind]} from {self.name(src)}",
+                            peer=src) from None
+        except Exception as exc:
+            raise PeerError(
+                f"{self.name()} lost {self.name(src)} while at {self.action}, waiting "
+                f"for the {_WHAT[kind]}: {type(exc).__name__}: {exc}", peer=src) from exc
+        self.inbox[(message.kind, message.microbatch, message.key, message.origin)] = message
 
     def expect(self, src: int, planned: Sequence[Planned]) -> None:
         """Tell the transport what rank ``src`` will send next; posting a receive from a
@@ -152,7 +159,8 @@ class Call:
                         atomic=options.get("atomic", True), origin=options.get("origin", -1))
             return
         try:
-            self.transport.send(dst, kind, microbatch, tensors, flags, **options)
+            with traced.sending(self, dst, kind, microbatch, options):
+                self.transport.send(dst, kind, microbatch, tensors, flags, **options)
         except (TypeError, ValueError):  # what cannot be sent at all: this stage's error
             raise
         except Exception as exc:
@@ -199,10 +207,11 @@ class Call:
                                 self.key_index(skip.key), skip.stash_partition)
             skips[skip.key] = message.tensors[0]
             flags += message.flags
-        sent, state = self.stages[s].forward(
-            Received(received_batch, skips, flags), grad=self.grad,
-            checkpoint=self.grad and i < self.checkpoint_stop, sink=self._sink(s, i),
-            split=(s, i) in self.split)
+        with hooks.span(EventKind.FORWARD, s, i):
+            sent, state = self.stages[s].forward(
+                Received(received_batch, skips, flags), grad=self.grad,
+                checkpoint=self.grad and i < self.checkpoint_stop, sink=self._sink(s, i),
+                split=(s, i) in self.split)
         for key, tensor in sorted(sent.skips.items(), key=lambda kv: self.key_index(kv[0])):
             self.send(rank(self.layout.pop_partition(*key)), Kind.SKIP, i, [tensor],
                       [sent.wants_grad(tensor)], key=self.key_index(key), origin=s)
@@ -212,7 +221,8 @@ class Call:
                       atomic=sent.outputs.atomic, origin=s)
         elif loss_fn is not None and targets is not None:
             assert state is not None
-            loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])
+            with hooks.span(EventKind.LOSS, s, i):
+                loss = self._loss(i, sent.outputs, targets[i], loss_fn, weights[i])
             if state.replay is None:
                 state.roots = [get_gradient_edge(loss)]
             else:  # recomputed at I, the loss with it
@@ -257,12 +267,13 @@ class Call:
                                           self.key_index(skip.key), skip.pop_partition
                                           ).tensors[0]
                       for skip in self.layout.skips_stashed_by(s)}
-        if split:
-            received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
-        else:
-            with self._handing_over(s, i):  # hooks: once
-                received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
-                                          sink=self._sink(s, i))
+        with hooks.span(EventKind.INPUT_GRAD if split else EventKind.BACKWARD, s, i):
+            if split:
+                received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
+            else:
+                with self._handing_over(s, i):  # hooks: once
+                    received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
+                                              sink=self._sink(s, i))
         if s > 0:
             self.send(rank(s - 1), Kind.GRAD, i, received.inputs, origin=s)
         for key, grad in received.skips.items():
@@ -271,7 +282,7 @@ class Call:
 
     def backward_weight(self, s: int, i: int) -> None:
         """Run ``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
-        with self._handing_over(s, i):  # hooks: once
+        with self._handing_over(s, i), hooks.span(EventKind.WEIGHT_GRAD, s, i):
             self.stages[s].backward_weight(self.states.pop((s, i)), sink=self._sink(s, i))
 
     # -- failure handling --------------------------------------------------------------
