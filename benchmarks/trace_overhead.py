@@ -1,0 +1,114 @@
+"""Cost of recording a step with ``seqpipe.trace.record()``, against the same step untraced.
+
+The model is ``overhead.py``'s (8 × Linear(1024) + ReLU, batch 128, one intra-op thread),
+here split in two stages with 4 micro-batches, so every kind of event occurs: forwards,
+backwards, recomputations (``checkpoint="except_last"``), waits and sends. Each traced
+step runs in its own ``record()`` block (the worst case: entering and leaving the block,
+and for ``DistributedPipe`` the gather of both ranks' events with its clock exchange, are
+paid every step). Untraced and traced steps alternate (see ``_common.interleave``) on the
+same pipe, and the verdict is the median of per-round ratios ``traced / untraced``.
+
+Target: ≤ 2 % (ratio ≤ 1.02).
+
+Run: ``PYTHONPATH=. python benchmarks/trace_overhead.py`` (local ``Pipe``, two CPU stages);
+``--engine distributed`` runs the same model as a two-process ``DistributedPipe`` (gloo,
+1F1B) and reports rank 0's timings.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Dict, List, Optional
+
+import torch
+from _common import Samples, interleave, machine, make_model, paired_ratio, pin_malloc, train_step
+from torch import nn
+
+import seqpipe
+from seqpipe import Pipe
+
+TARGET = 0.02
+
+
+def traced(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` inside its own ``record()`` block."""
+    def run() -> None:
+        with seqpipe.trace.record():
+            step()
+    return run
+
+
+def local_variants(args: argparse.Namespace) -> Dict[str, Callable[[], None]]:
+    model = make_model(args.width, args.depth)
+    pipe = Pipe(model, chunks=args.chunks, balance=[len(model) // 2, len(model) - len(model) // 2],
+                devices=["cpu", "cpu"])
+    x = torch.randn(args.batch, args.width)
+
+    def step() -> None:
+        train_step(pipe, x)
+    return {"untraced": step, "traced": traced(step)}
+
+
+def report(samples: Dict[str, Samples], args: argparse.Namespace, engine: str) -> float:
+    ratio = paired_ratio(samples["traced"], samples["untraced"])
+    cpu_ratio = paired_ratio(samples["traced"], samples["untraced"], cpu=True)
+    print(f"# {machine([torch.get_num_threads()])}")
+    print(f"# {engine}: {args.depth} x (Linear({args.width}) + ReLU), batch {args.batch}, "
+          f"2 stages, chunks {args.chunks}, {args.rounds} interleaved rounds")
+    for name, s in samples.items():
+        print(f"{name:<9} median {s.median * 1e3:8.2f} ms  IQR {s.iqr * 1e3:6.2f} ms  "
+              f"min {min(s.wall) * 1e3:8.2f} ms")
+    print(f"traced/untraced (median of per-round ratios): wall {ratio:.4f}, "
+          f"CPU {cpu_ratio:.4f}")
+    verdict = "MET" if ratio - 1 <= TARGET else "NOT MET"
+    print(f"tracing overhead: {(ratio - 1) * 100:+.2f} % by wall time "
+          f"(target <= {TARGET * 100:.0f} %: {verdict})")
+    return ratio
+
+
+def _distributed(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from seqpipe.distributed import DistributedPipe
+
+    torch.set_num_threads(args.threads)
+    model = make_model(args.width, args.depth)
+    pipe = DistributedPipe(model, args.chunks,
+                           balance=[len(model) // 2, len(model) - len(model) // 2])
+    x = torch.randn(args.batch, args.width)
+
+    def step() -> None:
+        for p in pipe.parameters():
+            p.grad = None
+        pipe.train_step(x if pipe.is_first else None, x if pipe.is_last else None,
+                        nn.functional.mse_loss)
+    samples = interleave({"untraced": step, "traced": traced(step)}, rounds=args.rounds,
+                         warmup=args.warmup)
+    if dist.get_rank() == 0:
+        report(samples, args, "DistributedPipe over 2 gloo processes (1F1B)")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("local", "distributed"), default="local")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    pin_malloc()
+    if args.engine == "distributed":
+        from seqpipe.launch import spawn_local
+
+        spawn_local(2, _distributed, args)
+        return 0
+    torch.set_num_threads(args.threads)
+    samples = interleave(local_variants(args), rounds=args.rounds, warmup=args.warmup)
+    ratio = report(samples, args, "local Pipe")
+    return 0 if ratio - 1 <= TARGET else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
