@@ -1,0 +1,404 @@
+"""What a recording says in numbers: where each stage's time went, the measured bubble,
+the simulator's plan for the same schedule with the measured costs, and the biggest wait.
+
+Per stage (one track per rank and stage), a step's span splits into four parts that add up
+to it: *busy* (its own work: forward, backward halves, recomputation, loss), *comm*
+(sending and gradient reductions, when not busy), *waiting* (blocked on a message that had
+not arrived, when neither) and *idle* (the rest: nothing to do, or time the engine spends
+outside the actions). The *bubble* is the share of the devices' time not busy, as the
+simulator defines it: ``1 - busy / (devices * span)``, a device being the rank (or, in a
+local ``Pipe``, the device) that holds the stages.
+
+The prediction replays the step's schedule with per-stage median measured costs of each
+action (:func:`seqpipe.schedule.simulate`). The simulator models neither the loss nor
+recomputation nor communication: the loss is counted in the forward of its micro-batch
+and recomputation in its backward (``I`` when split), where they run; communication is
+left out, so a measured step longer than its prediction is time lost to messages,
+waiting and the engine itself.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from seqpipe.schedule import Simulation, get_schedule, placement_of, simulate
+from seqpipe.trace.empty import require_events
+from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
+from seqpipe.trace.simulated import KIND_OF_PHASE
+
+__all__ = ["StageTime", "StepSummary", "Summary", "describe_wait", "summarize"]
+
+_COMM = frozenset({EventKind.SEND, EventKind.REDUCE})
+_ATTACHED = {EventKind.LOSS: (EventKind.FORWARD,),
+             EventKind.RECOMPUTE: (EventKind.INPUT_GRAD, EventKind.BACKWARD)}
+"""Events the simulator has no action for, and the actions whose cost they join."""
+_LETTERS = {kind: phase.letter for phase, kind in KIND_OF_PHASE.items()}
+_PLURAL = {"activation": "activations", "gradient": "gradients", "skip": "skip tensors",
+           "skip gradient": "skip gradients"}
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds one stage (on one rank) spent busy, communicating, waiting and idle."""
+
+    rank: int
+    stage: int
+    busy: float
+    comm: float
+    waiting: float
+    idle: float
+
+    @property
+    def span(self) -> float:
+        """The four parts together: the step's span."""
+        return self.busy + self.comm + self.waiting + self.idle
+
+    def __add__(self, other: StageTime) -> StageTime:
+        return StageTime(self.rank, self.stage, self.busy + other.busy,
+                         self.comm + other.comm, self.waiting + other.waiting,
+                         self.idle + other.idle)
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One recorded step: its span, per-stage times, bubble, costs and prediction.
+
+    ``costs`` maps ``"F"``, ``"B"``, ``"I"``, ``"W"`` to the per-stage median seconds fed
+    to the simulator; ``predicted`` is its replay (``None`` with the reason in ``note``
+    when a stage has no measurement to replay).
+    """
+
+    index: int
+    schedule: str
+    num_microbatches: int
+    span: float
+    stages: List[StageTime]
+    devices: int
+    device_busy: float
+    costs: Dict[str, List[float]]
+    predicted: Optional[Simulation]
+    note: Optional[str]
+    biggest_wait: Optional[Event]
+    multi_rank_stages: bool = False
+
+    @property
+    def bubble(self) -> float:
+        """Share of the devices' time (``devices * span``) not busy."""
+        return 1 - _ratio(self.device_busy, self.devices * self.span)
+
+    def __str__(self) -> str:
+        lines = [f"step {self.index} ({self.schedule}, {self.num_microbatches} "
+                 f"micro-batches): {_vs_plan(self.span, self.bubble, self.predicted)}"]
+        lines += _table(self.stages)
+        lines += _cost_lines(self.costs)
+        if self.note:
+            lines.append(f"no simulation: {self.note}")
+        if self.biggest_wait is not None:
+            lines.append("biggest wait: "
+                         + describe_wait(self.biggest_wait, self.multi_rank_stages))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Every recorded step's summary and their totals (``stages``: per-stage sums)."""
+
+    steps: List[StepSummary]
+    stages: List[StageTime]
+
+    @property
+    def span(self) -> float:
+        """Seconds of all recorded steps together."""
+        return sum(s.span for s in self.steps)
+
+    @property
+    def bubble(self) -> float:
+        """The measured bubble over all steps (device time weighted)."""
+        busy = sum(s.device_busy for s in self.steps)
+        return 1 - _ratio(busy, sum(s.devices * s.span for s in self.steps))
+
+    @property
+    def predicted_span(self) -> Optional[float]:
+        """The simulated makespans summed; ``None`` if a step has no prediction."""
+        if any(s.predicted is None for s in self.steps):
+            return None
+        return sum(s.predicted.makespan for s in self.steps)  # type: ignore[union-attr]
+
+    @property
+    def predicted_bubble(self) -> Optional[float]:
+        """The simulated bubble over all steps; ``None`` if a step has no prediction."""
+        sims = [s.predicted for s in self.steps]
+        if any(sim is None for sim in sims):
+            return None
+        busy = sum(sum(sim.busy_time) for sim in sims)  # type: ignore[union-attr]
+        total = sum(sim.num_ranks * sim.makespan for sim in sims)  # type: ignore[union-attr]
+        return 1 - _ratio(busy, total)
+
+    @property
+    def biggest_wait(self) -> Optional[Event]:
+        """The longest wait of any step."""
+        waits = [s.biggest_wait for s in self.steps if s.biggest_wait is not None]
+        return max(waits, key=lambda e: e.duration, default=None)
+
+    def oneline(self) -> str:
+        """One line: time per step, bubble against the plan, and the biggest wait."""
+        n = len(self.steps)
+        text = (f"trace: {n} step{'s' if n != 1 else ''}, "
+                f"{_vs_plan(self.span / n, self.bubble, None, self._plan_per_step())}")
+        wait = self.biggest_wait
+        if wait is not None:
+            text += "; biggest wait: " + describe_wait(wait, self._multi_rank())
+        return text
+
+    def _plan_per_step(self) -> Optional[Tuple[float, float]]:
+        predicted = self.predicted_span
+        if predicted is None:
+            return None
+        return predicted / len(self.steps), self.predicted_bubble  # type: ignore[return-value]
+
+    def _multi_rank(self) -> bool:
+        return any(s.multi_rank_stages for s in self.steps)
+
+    def __str__(self) -> str:
+        schedules = ", ".join(sorted({s.schedule for s in self.steps}))
+        n = len(self.steps)
+        lines = [f"{n} step{'s' if n != 1 else ''} recorded ({schedules}); "
+                 f"per step {_vs_plan(self.span / n, self.bubble, None, self._plan_per_step())}",
+                 "all steps:"]
+        lines += _table(self.stages)
+        wait = self.biggest_wait
+        if wait is not None:
+            where = f" (step {wait.step})" if n > 1 else ""
+            lines.append("biggest wait: " + describe_wait(wait, self._multi_rank()) + where)
+        for step in self.steps:
+            lines += ["", str(step)]
+        return "\n".join(lines)
+
+
+def summarize(recording: Recording) -> Summary:
+    """Summarise every recorded step (those with events) and their totals.
+
+    Raises ``ValueError`` for a recording without events, or with events of a step it
+    has no :class:`~seqpipe.trace.events.StepRecord` for.
+    """
+    require_events(recording, "summarise")
+    by_step = _events_by_step(recording)
+    steps = [_summarize_step(record, by_step[record.index])
+             for record in sorted(recording.steps, key=lambda r: r.index)
+             if by_step.get(record.index)]
+    totals: Dict[Tuple[int, int], StageTime] = {}
+    for step in steps:
+        for t in step.stages:
+            key = (t.rank, t.stage)
+            totals[key] = totals[key] + t if key in totals else t
+    return Summary(steps, [totals[k] for k in sorted(totals)])
+
+
+def describe_wait(event: Event, with_rank: bool = False) -> str:
+    """``stage 1 waited 38.0 ms for gradients of micro-batch 0 from stage 2``."""
+    who = f"stage {event.stage}" + (f" on rank {event.rank}" if with_rank else "")
+    text = f"{who} waited {format_time(event.duration)}"
+    if event.what:
+        text += f" for {_PLURAL.get(event.what, event.what)}"
+    if event.microbatch is not None:
+        text += f" {'of' if event.what else 'for'} micro-batch {event.microbatch}"
+    if event.peer is not None:
+        text += f" from stage {event.peer}"
+    return text
+
+
+def predict(record: StepRecord, events: Sequence[Event]
+            ) -> Tuple[Dict[str, List[float]], Optional[Simulation], Optional[str]]:
+    """The step's per-stage median costs, their simulation, and why there is none."""
+    costs, note = _median_costs(events, record.num_stages)
+    if note is not None:
+        return costs, None, note
+    split = "I" in costs
+    kwargs = {"input_cost": costs["I"], "weight_cost": costs["W"]} if split \
+        else {"backward_cost": costs["B"]}
+    sim = simulate(record.schedule, record.num_ranks, record.num_microbatches,
+                   forward_cost=costs["F"], **kwargs)
+    return costs, sim, None
+
+
+def _events_by_step(recording: Recording) -> Dict[int, List[Event]]:
+    known = {r.index for r in recording.steps}
+    by_step: Dict[int, List[Event]] = defaultdict(list)
+    for e in recording.events:
+        if e.step not in known:
+            raise ValueError(f"event {e.name!r} on stage {e.stage} belongs to step {e.step}, "
+                             f"but the recording has no step record for it (steps: "
+                             f"{sorted(known)}); add a StepRecord for every step")
+        by_step[e.step].append(e)
+    return by_step
+
+
+def _summarize_step(record: StepRecord, events: List[Event]) -> StepSummary:
+    lo = min([record.start] + [e.start for e in events])
+    hi = max([record.end] + [e.end for e in events])
+    tracks: Dict[Tuple[int, int], List[Event]] = defaultdict(list)
+    for e in events:
+        tracks[(e.rank, e.stage)].append(e)
+    stages = [StageTime(rank, stage, *_account(tracks[(rank, stage)], lo, hi))
+              for rank, stage in sorted(tracks)]
+    devices = _device_busy(record, tracks, lo, hi)
+    costs, sim, note = predict(record, events)
+    waits = [e for e in events if e.kind is EventKind.WAIT]
+    ranks_per_stage = defaultdict(set)
+    for rank, stage in tracks:
+        ranks_per_stage[stage].add(rank)
+    return StepSummary(
+        index=record.index, schedule=_schedule_name(record.schedule),
+        num_microbatches=record.num_microbatches, span=hi - lo, stages=stages,
+        devices=len(devices), device_busy=sum(devices.values()), costs=costs,
+        predicted=sim, note=note,
+        biggest_wait=max(waits, key=lambda e: e.duration, default=None),
+        multi_rank_stages=any(len(r) > 1 for r in ranks_per_stage.values()))
+
+
+def _account(events: Iterable[Event], lo: float, hi: float) -> Tuple[float, float, float,
+                                                                     float]:
+    """Busy, comm, waiting and idle seconds of one track in ``[lo, hi]``.
+
+    Where intervals overlap, the time counts once, for the first of busy > comm > waiting.
+    """
+    edges: List[Tuple[float, int, int]] = []
+    for e in events:
+        level = 0 if e.kind.is_compute else 1 if e.kind in _COMM else 2
+        start, end = max(e.start, lo), min(e.end, hi)
+        if end > start:
+            edges += [(start, 1, level), (end, -1, level)]
+    edges.sort()
+    active = [0, 0, 0]
+    parts = [0.0, 0.0, 0.0, 0.0]
+    now = lo
+    for t, delta, level in edges:
+        parts[_top(active)] += t - now
+        active[level] += delta
+        now = t
+    parts[3] += hi - now
+    return parts[0], parts[1], parts[2], parts[3]
+
+
+def _top(active: List[int]) -> int:
+    """The highest-priority part with an open interval; 3 (idle) when none is."""
+    return next((level for level, n in enumerate(active) if n > 0), 3)
+
+
+def _device_busy(record: StepRecord, tracks: Dict[Tuple[int, int], List[Event]],
+                 lo: float, hi: float) -> Dict[Tuple[int, int], float]:
+    """Busy seconds per device: a process rank and the simulated rank of its stages."""
+    placement = placement_of(get_schedule(record.schedule), record.num_ranks)
+    grouped: Dict[Tuple[int, int], List[Event]] = defaultdict(list)
+    for (rank, stage), events in tracks.items():
+        sim_rank = placement.rank_of(stage) if stage < placement.num_stages else stage
+        grouped[(rank, sim_rank)] += [e for e in events if e.kind.is_compute]
+    return {device: _account(events, lo, hi)[0] for device, events in grouped.items()}
+
+
+def _median_costs(events: Sequence[Event], num_stages: int
+                  ) -> Tuple[Dict[str, List[float]], Optional[str]]:
+    """Per action letter, each stage's median cost; a reason if one cannot be measured."""
+    samples: Dict[Tuple[EventKind, int], List[float]] = defaultdict(list)
+    for e, cost in _action_costs(events):
+        samples[(e.kind, e.stage)].append(cost)
+    has = {kind for kind, _ in samples}
+    split = bool(has & {EventKind.INPUT_GRAD, EventKind.WEIGHT_GRAD})
+    forward_only = not has & {EventKind.BACKWARD, EventKind.INPUT_GRAD,
+                              EventKind.WEIGHT_GRAD}
+    costs: Dict[str, List[float]] = defaultdict(list)
+    for stage in range(num_stages):
+        med = {_LETTERS[kind]: statistics.median(samples[(kind, stage)])
+               for kind in _LETTERS if samples.get((kind, stage))}
+        if "F" not in med:
+            return dict(costs), f"stage {stage} has no measured forward"
+        costs["F"].append(med["F"])
+        if forward_only:
+            costs["B"].append(0.0)
+        elif split:
+            halves = (med["I"], med["W"]) if "I" in med and "W" in med \
+                else (med["B"] / 2, med["B"] / 2) if "B" in med else None
+            if halves is None:
+                return dict(costs), f"stage {stage} has no measured backward"
+            costs["I"].append(halves[0])
+            costs["W"].append(halves[1])
+        elif "B" in med:
+            costs["B"].append(med["B"])
+        else:
+            return dict(costs), f"stage {stage} has no measured backward"
+    return dict(costs), None
+
+
+def _action_costs(events: Sequence[Event]) -> Iterable[Tuple[Event, float]]:
+    """Every schedule action with its cost: its duration plus the loss or recomputation
+    of its (stage, micro-batch) that ran outside it."""
+    actions = {(e.kind, e.stage, e.microbatch, e.rank): e for e in events if e.kind in _LETTERS}
+    extra: Dict[Event, float] = defaultdict(float)
+    for e in events:
+        for kind in _ATTACHED.get(e.kind, ()):
+            owner = actions.get((kind, e.stage, e.microbatch, e.rank))
+            if owner is not None:
+                overlap = max(0.0, min(e.end, owner.end) - max(e.start, owner.start))
+                extra[owner] += e.duration - overlap
+                break
+    return [(e, e.duration + extra[e]) for e in actions.values()]
+
+
+def _schedule_name(schedule: Any) -> str:
+    return schedule if isinstance(schedule, str) else type(schedule).__name__
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else 0.0
+
+
+def format_time(seconds: float) -> str:
+    """Seconds as milliseconds with three significant digits (seconds from 10 s on)."""
+    if seconds >= 10:
+        return f"{seconds:.1f} s"
+    v = seconds * 1e3
+    return f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms" if v >= 10 else f"{v:.2f} ms"
+
+
+def format_share(fraction: float) -> str:
+    """A fraction as a percentage: ``23.1 %``."""
+    return f"{100 * fraction:.1f} %"
+
+
+def _vs_plan(span: float, bubble: float, sim: Optional[Simulation],
+             plan: Optional[Tuple[float, float]] = None) -> str:
+    """``120 ms, bubble 23.1 % (simulated: 110 ms, bubble 15.0 %)``."""
+    if sim is not None:
+        plan = (sim.makespan, sim.bubble_fraction)
+    text = f"{format_time(span)}, bubble {format_share(bubble)}"
+    if plan is not None:
+        text += (f" (simulated with the measured costs: {format_time(plan[0])}, "
+                 f"bubble {format_share(plan[1])})")
+    return text
+
+
+def _table(stages: Sequence[StageTime]) -> List[str]:
+    """Per stage busy / comm / waiting / idle in ms and as shares of the span."""
+    multi = len({t.rank for t in stages}) > 1 and any(t.rank != t.stage for t in stages)
+    heads = "".join(f"{h:>10}{'':6}" for h in ("busy", "comm", "waiting", "idle"))
+    rows = [("  " + " " * 16 + heads).rstrip()]
+    for t in stages:
+        label = f"rank {t.rank} stage {t.stage}" if multi else f"stage {t.stage}"
+        cells = "".join(f"{format_time(v):>10} {_share(v, t.span):>5}"
+                        for v in (t.busy, t.comm, t.waiting, t.idle))
+        rows.append(f"  {label:<16}{cells}")
+    return rows
+
+
+def _share(value: float, span: float) -> str:
+    return f"{100 * _ratio(value, span):.0f}%"
+
+
+def _cost_lines(costs: Dict[str, List[float]]) -> List[str]:
+    if not costs:
+        return []
+    parts = [f"{letter} " + " / ".join(format_time(c) for c in values)
+             for letter, values in costs.items() if values]
+    return ["median cost per action, stage 0 / 1 / ...: " + "; ".join(parts)]
