@@ -94,6 +94,11 @@ def test_chrome_json_has_the_trace_fields_one_track_per_rank_and_stage(tmp_path)
         assert out["ts"] == pytest.approx((ev.start - origin) * 1e6)
         assert out["dur"] == pytest.approx(ev.duration * 1e6)
     assert min(e["ts"] for e in complete) == 0
+    # The chart has the same tracks, labelled with their rank where it is not the stage.
+    rows = _rows(_sections(render_svg(rec))["measured"])
+    labels = [next(r.iter(f"{SVG}text")).text for r in rows]
+    assert labels == ["rank 0 · stage 0", "rank 0 · stage 3", "rank 1 · stage 1",
+                      "rank 1 · stage 2"]
 
 
 def test_chrome_events_carry_names_categories_and_args() -> None:
@@ -318,6 +323,8 @@ def test_no_prediction_when_a_stage_has_no_measurement() -> None:
     assert summary.steps[0].predicted is None
     assert summary.predicted_span is None and summary.predicted_bubble is None
     assert "no simulation: stage 1 has no measured backward" in str(summary)
+    uncounted = Recording(_hand_made().events, [_step(0, 0.0, 102 * MS, 3, 0)])
+    assert "no simulation: its step record counts 0 micro-batches" in str(summarize(uncounted))
 
 
 def test_empty_or_inconsistent_recordings_are_refused() -> None:
@@ -349,3 +356,27 @@ def test_a_simulated_recording_holds_every_action_once_and_waits_for_peers(sched
         assert (wait.stage, wait.microbatch, wait.end) in starts
         assert sim.placement.rank_of(wait.peer) != sim.placement.rank_of(wait.stage)
     assert rec.steps[0].end - rec.steps[0].start == pytest.approx(sim.makespan)
+
+
+def test_one_step_prints_as_that_step_and_waits_read_as_sentences() -> None:
+    summary = summarize(_hand_made())
+    text = str(summary)
+    assert text == str(summary.steps[0])
+    assert text.startswith("step 0 (fill_drain, 1 micro-batch): 102 ms, bubble 69.9 %")
+    assert "median cost per action, stage 0 / 1 / ...: F 10.0 ms / 10.0 ms / 12.0 ms" in text
+    start = Event(WAIT, 1, 0.0, 5 * MS, None, peer=0, what="start of the step")
+    assert describe_wait(start) == "stage 1 waited 5.00 ms for the start of the step from stage 0"
+    skip = Event(WAIT, 2, 0.0, 0.25, 3, peer=0, what="skip tensor")
+    assert describe_wait(skip) == "stage 2 waited 250 ms for skip tensors of micro-batch 3 " \
+        "from stage 0"
+
+
+def test_schedule_objects_are_named_by_their_built_in_name() -> None:
+    from seqpipe.schedule import Interleaved1F1B, OneFOneB
+
+    rec = from_simulation(simulate(OneFOneB(), 2, 4), OneFOneB())
+    assert summarize(rec).steps[0].schedule == "1f1b"
+    rec = from_simulation(simulate(Interleaved1F1B(3), 2, 4), Interleaved1F1B(3))
+    step = summarize(rec).steps[0]
+    assert step.schedule == "Interleaved1F1B(stages_per_rank=3)"
+    assert step.predicted is not None and len(step.stages) == 6

@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from seqpipe.schedule import Simulation, get_schedule, placement_of, simulate
+from seqpipe.schedule import SCHEDULES, Simulation, get_schedule, placement_of, simulate
 from seqpipe.trace.empty import require_events
 from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
 from seqpipe.trace.simulated import KIND_OF_PHASE
@@ -35,8 +35,10 @@ _ATTACHED = {EventKind.LOSS: (EventKind.FORWARD,),
              EventKind.RECOMPUTE: (EventKind.INPUT_GRAD, EventKind.BACKWARD)}
 """Events the simulator has no action for, and the actions whose cost they join."""
 _LETTERS = {kind: phase.letter for phase, kind in KIND_OF_PHASE.items()}
-_PLURAL = {"activation": "activations", "gradient": "gradients", "skip": "skip tensors",
-           "skip gradient": "skip gradients"}
+_PLURAL = {"activation": "activations", "gradient": "gradients", "skip tensor": "skip tensors",
+           "skip gradient": "skip gradients", "start of the step": "the start of the step",
+           "end of the step": "the end of the step", "loss": "the loss"}
+"""How a wait's message reads after "waited ... for" (others read as they are)."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,14 @@ class StageTime:
 class StepSummary:
     """One recorded step: its span, per-stage times, bubble, costs and prediction.
 
-    ``costs`` maps ``"F"``, ``"B"``, ``"I"``, ``"W"`` to the per-stage median seconds fed
-    to the simulator; ``predicted`` is its replay (``None`` with the reason in ``note``
-    when a stage has no measurement to replay).
+    ``span``: seconds from the step's start (or its first event, if earlier) to its end
+    (or its last event). ``stages``: per (rank, stage) track, in order. ``devices``: how
+    many devices (ranks, or a local ``Pipe``'s devices) ran its stages, ``device_busy``
+    their busy seconds together. ``costs`` maps ``"F"``, ``"B"``, ``"I"``, ``"W"`` to the
+    per-stage median seconds fed to the simulator; ``predicted`` is its replay (``None``
+    with the reason in ``note`` when a stage has no measurement to replay).
+    ``multi_rank_stages``: some stage ran on several ranks (data parallel), so waits name
+    their rank.
     """
 
     index: int
@@ -89,8 +96,9 @@ class StepSummary:
         return 1 - _ratio(self.device_busy, self.devices * self.span)
 
     def __str__(self) -> str:
-        lines = [f"step {self.index} ({self.schedule}, {self.num_microbatches} "
-                 f"micro-batches): {_vs_plan(self.span, self.bubble, self.predicted)}"]
+        chunks = format_count(self.num_microbatches, "micro-batch")
+        lines = [f"step {self.index} ({self.schedule}, {chunks}): "
+                 f"{_vs_plan(self.span, self.bubble, self.predicted)}"]
         lines += _table(self.stages)
         lines += _cost_lines(self.costs)
         if self.note:
@@ -103,7 +111,8 @@ class StepSummary:
 
 @dataclass(frozen=True)
 class Summary:
-    """Every recorded step's summary and their totals (``stages``: per-stage sums)."""
+    """Every recorded step's summary (``steps``, in order) and their totals (``stages``:
+    per (rank, stage) sums over the steps)."""
 
     steps: List[StepSummary]
     stages: List[StageTime]
@@ -145,7 +154,7 @@ class Summary:
     def oneline(self) -> str:
         """One line: time per step, bubble against the plan, and the biggest wait."""
         n = len(self.steps)
-        text = (f"trace: {n} step{'s' if n != 1 else ''}, "
+        text = (f"trace: {format_count(n, 'step')}, "
                 f"{_vs_plan(self.span / n, self.bubble, None, self._plan_per_step())}")
         wait = self.biggest_wait
         if wait is not None:
@@ -162,16 +171,18 @@ class Summary:
         return any(s.multi_rank_stages for s in self.steps)
 
     def __str__(self) -> str:
-        schedules = ", ".join(sorted({s.schedule for s in self.steps}))
         n = len(self.steps)
-        lines = [f"{n} step{'s' if n != 1 else ''} recorded ({schedules}); "
+        if n == 1:
+            return str(self.steps[0])
+        schedules = ", ".join(sorted({s.schedule for s in self.steps}))
+        lines = [f"{n} steps recorded ({schedules}); "
                  f"per step {_vs_plan(self.span / n, self.bubble, None, self._plan_per_step())}",
                  "all steps:"]
         lines += _table(self.stages)
         wait = self.biggest_wait
         if wait is not None:
-            where = f" (step {wait.step})" if n > 1 else ""
-            lines.append("biggest wait: " + describe_wait(wait, self._multi_rank()) + where)
+            lines.append(f"biggest wait: {describe_wait(wait, self._multi_rank())} "
+                         f"(step {wait.step})")
         for step in self.steps:
             lines += ["", str(step)]
         return "\n".join(lines)
@@ -209,10 +220,12 @@ def describe_wait(event: Event, with_rank: bool = False) -> str:
     return text
 
 
-def predict(record: StepRecord, events: Sequence[Event]
+def _predict(record: StepRecord, events: Sequence[Event]
             ) -> Tuple[Dict[str, List[float]], Optional[Simulation], Optional[str]]:
     """The step's per-stage median costs, their simulation, and why there is none."""
     costs, note = _median_costs(events, record.num_stages)
+    if note is None and record.num_microbatches < 1:
+        note = f"its step record counts {record.num_microbatches} micro-batches"
     if note is not None:
         return costs, None, note
     split = "I" in costs
@@ -244,7 +257,7 @@ def _summarize_step(record: StepRecord, events: List[Event]) -> StepSummary:
     stages = [StageTime(rank, stage, *_account(tracks[(rank, stage)], lo, hi))
               for rank, stage in sorted(tracks)]
     devices = _device_busy(record, tracks, lo, hi)
-    costs, sim, note = predict(record, events)
+    costs, sim, note = _predict(record, events)
     waits = [e for e in events if e.kind is EventKind.WAIT]
     ranks_per_stage = defaultdict(set)
     for rank, stage in tracks:
@@ -347,7 +360,14 @@ def _action_costs(events: Sequence[Event]) -> Iterable[Tuple[Event, float]]:
 
 
 def _schedule_name(schedule: Any) -> str:
-    return schedule if isinstance(schedule, str) else type(schedule).__name__
+    """A built-in's registry name (``"1f1b"``), else the schedule's repr or class name."""
+    if isinstance(schedule, str):
+        return schedule
+    for name, make in SCHEDULES.items():
+        if type(schedule) is make and schedule == make():
+            return name
+    text = repr(schedule)
+    return type(schedule).__name__ if text.startswith("<") else text
 
 
 def _ratio(num: float, den: float) -> float:
@@ -359,7 +379,15 @@ def format_time(seconds: float) -> str:
     if seconds >= 10:
         return f"{seconds:.1f} s"
     v = seconds * 1e3
-    return f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms" if v >= 10 else f"{v:.2f} ms"
+    for digits, below in ((2, 9.995), (1, 99.95)):
+        if v < below:
+            return f"{v:.{digits}f} ms"
+    return f"{v:.0f} ms"
+
+
+def format_count(n: int, noun: str) -> str:
+    """``1 step``, ``2 steps``, ``4 micro-batches``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("ch") else f"{n} {noun}s"
 
 
 def format_share(fraction: float) -> str:

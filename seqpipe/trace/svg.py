@@ -20,7 +20,13 @@ from seqpipe.trace.chrome import CATEGORIES
 from seqpipe.trace.empty import require_events
 from seqpipe.trace.events import Event, EventKind, Recording
 from seqpipe.trace.simulated import from_simulation
-from seqpipe.trace.summary import Summary, format_share, format_time, summarize
+from seqpipe.trace.summary import (
+    Summary,
+    format_count,
+    format_share,
+    format_time,
+    summarize,
+)
 
 __all__ = ["COLOURS", "render_svg", "write_svg"]
 
@@ -66,18 +72,17 @@ def render_svg(recording: Recording, *, simulated: bool = True,
     scale = _Scale(min(e.start for e in everything), max(e.end for e in everything))
     body: List[str] = []
     top = 34.0
-    grid_at = len(body)
     y = _section(body, "measured", _measured_title(summary), measured, scale, top)
     if simulated:
         y = _section(body, "simulated", _plan_title(summary, notes), plan, scale, y)
-    body.insert(grid_at, _grid(scale, top, y))
+    body.insert(0, _grid(scale, top, y))
     y = _axis(body, scale, y)
     kinds = {e.kind for e in everything}
     y = _legend(body, [k for k in COLOURS if k in kinds], y)
     width = _LEFT + _WIDTH + _RIGHT
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{y:.0f}" '
             f'viewBox="0 0 {width:.0f} {y:.0f}" font-family="sans-serif" font-size="11">')
-    title = _text(_LEFT, 20, "seqpipe pipeline trace", size=14, weight="bold")
+    title = _text(_LEFT, 20, _title(summary), size=14, weight="bold")
     return "\n".join(['<?xml version="1.0" encoding="UTF-8"?>', head, _DEFS,
                       f'<rect width="{width:.0f}" height="{y:.0f}" fill="white"/>', title]
                      + body + ["</svg>", ""])
@@ -122,9 +127,16 @@ def _plan(measured: Recording, summary: Summary) -> Tuple[Recording, List[str]]:
     return plan, notes
 
 
+def _title(summary: Summary) -> str:
+    shapes = sorted({f"{s.schedule}, {format_count(s.num_microbatches, 'micro-batch')}"
+                     for s in summary.steps})
+    stages = len({t.stage for t in summary.stages})
+    return f"seqpipe pipeline trace: {'; '.join(shapes)}, {format_count(stages, 'stage')}"
+
+
 def _measured_title(summary: Summary) -> str:
     n = len(summary.steps)
-    return (f"measured ({n} step{'s' if n != 1 else ''}): {format_time(summary.span / n)} "
+    return (f"measured ({format_count(n, 'step')}): {format_time(summary.span / n)} "
             f"per step, bubble {format_share(summary.bubble)}")
 
 
