@@ -14,7 +14,7 @@ from torch import nn
 import seqpipe
 from seqpipe import Pipe
 from seqpipe.schedule import FillDrain
-from seqpipe.trace import EventKind, Recording, hooks
+from seqpipe.trace import Event, EventKind, Recording, hooks
 from tests.distributed_harness import run_workers
 
 _ACTIONS = (EventKind.FORWARD, EventKind.BACKWARD, EventKind.INPUT_GRAD,
@@ -163,13 +163,35 @@ def test_torch_profiler_shows_the_pipeline_actions() -> None:
             "send gradient 1 → stage 0"} <= names, sorted(names)
 
 
+def test_events_travel_as_tensors_and_come_back_the_same() -> None:
+    from seqpipe.trace.gather import decode, encode
+
+    events = [Event(EventKind.WAIT, 2, 1.5, 2.25, 3, rank=1, peer=1, what="gradient", step=4),
+              Event(EventKind.REDUCE, 0, 3.0, 3.5, what="tied weights"),
+              Event(EventKind.FORWARD, 1, 0.125, 0.5, 0)]
+    times, fields = encode(events)
+    assert (times.dtype, fields.dtype) == (torch.float64, torch.int64)
+    assert decode(times, fields) == events
+    assert decode(*encode([])) == []
+
+
+def test_offsets_are_clamped_to_what_the_messages_allow() -> None:
+    from seqpipe.trace.align import causal_offsets
+
+    # rank 1's clock is 10 s ahead; rank 0 sent at 1.0, rank 1 had the message at 11.0001
+    # (its clock) and sent a gradient back at 11.002, which rank 0 had at 1.0025
+    events = [Event(EventKind.SEND, 0, 1.0, 1.00001, 0, rank=0, peer=1, what="activation"),
+              Event(EventKind.FORWARD, 1, 11.0001, 11.001, 0, rank=1),
+              Event(EventKind.SEND, 1, 11.002, 11.00201, 0, rank=1, peer=0, what="gradient"),
+              Event(EventKind.WAIT, 0, 1.001, 1.0025, 0, rank=0, peer=1, what="gradient")]
+    # allowed: 11.002 - 1.0025 = 9.9995 <= offset <= 11.0001 - 1.0 = 10.0001
+    assert causal_offsets([0.0, 10.0], [0, 1], events) == [0.0, 10.0]  # fine as it is
+    assert causal_offsets([0.0, 10.002], [0, 1], events) == pytest.approx([0.0, 10.0001])
+    assert causal_offsets([0.0, 9.99], [0, 1], events) == pytest.approx([0.0, 9.9995])
+    assert causal_offsets([0.0, 9.99], [0, 1], events[:2]) == pytest.approx([0.0, 9.99])
+
+
 # -- distributed ---------------------------------------------------------------------------
-def _skewed(rank: int) -> seqpipe.trace.Recorder:
-    # rank 1's clock runs 1000 s behind: only the offset estimate can line the ranks up
-    return seqpipe.trace.record(clock=(lambda: time.perf_counter() - 1000.0) if rank else
-                                time.perf_counter)
-
-
 def _expected(pipe: object, m: int) -> Dict[Tuple[int, int], List[str]]:
     from seqpipe.distributed.plan import call_actions
 
@@ -189,43 +211,53 @@ def _matching_send(events: list, wait: object) -> object:
 
 def _two_ranks(rank: int, world: int) -> None:
     from seqpipe.distributed import DistributedPipe
+    from seqpipe.trace.gather import clock_offsets
 
+    skew = time.perf_counter if rank == 0 else lambda: time.perf_counter() - 1000.0
+    offsets = clock_offsets(None, torch.device("cpu"), skew)
+    recordings = {}
     for schedule, checkpoint in (("1f1b", "never"), ("zb_h1", "always")):
         pipe = DistributedPipe(_model(), chunks=4, balance=[3, 3], schedule=schedule,
                                checkpoint=checkpoint)
         x, y = torch.randn(8, 8), torch.randn(8, 8)
-        with _skewed(rank) as rec:
+        with seqpipe.trace.record(clock=skew) as rec:
             for _ in range(2):
                 pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
                                 nn.functional.mse_loss)
-        recording = rec.recording
-        if rank != 0:
-            assert {e.rank for e in recording.events} == {1}  # its own, on its own clock
-            continue
-        events = recording.events
-        assert {(e.rank, e.stage) for e in events} == {(0, 0), (1, 1)}
-        for step in (0, 1):
-            for (r, s), names in _expected(pipe, 4).items():
-                got = [e.name for e in events if e.kind in _ACTIONS and e.step == step
-                       and (e.rank, e.stage) == (r, s)]
-                assert got == names, (schedule, step, r, s, got, names)
-        losses = [e for e in events if e.kind is EventKind.LOSS]
-        assert sorted((e.step, e.stage, e.microbatch) for e in losses) == [
-            (t, 1, i) for t in (0, 1) for i in range(4)]
-        recomputed = {(e.stage, e.microbatch) for e in events if e.kind is EventKind.RECOMPUTE}
-        assert recomputed == ({(s, i) for s in (0, 1) for i in range(4)}
-                              if checkpoint == "always" else set())
-        waits = [e for e in events if e.kind is EventKind.WAIT and e.what in
-                 ("activation", "gradient")]
-        assert any(e.rank == 1 for e in waits) and any(e.rank == 0 for e in waits)
-        for wait in waits:  # one clock: no message is waited for after it arrived
-            assert _matching_send(events, wait).start <= wait.end, (schedule, wait)
-        assert [s.index for s in recording.steps] == [0, 1]
-        assert recording.steps[0].num_microbatches == 4
-        for step in recording.steps:
-            inside = [e for e in events if e.step == step.index]
-            assert step.start <= min(e.start for e in inside)
-            assert max(e.end for e in inside) <= step.end
+        recordings[(schedule, checkpoint)] = (pipe, rec.recording)
+    if rank != 0:  # its own events, on its own clock
+        assert all({e.rank for e in r.events} == {1} for _, r in recordings.values())
+        return
+    assert offsets[0] == 0.0 and abs(offsets[1] + 1000.0) < 0.05, offsets  # NTP alone
+    for (schedule, checkpoint), (pipe, recording) in recordings.items():
+        _check_merged(pipe, recording, schedule, checkpoint)
+
+
+def _check_merged(pipe: object, recording: Recording, schedule: str, checkpoint: str) -> None:
+    events = recording.events
+    assert {(e.rank, e.stage) for e in events} == {(0, 0), (1, 1)}
+    for step in (0, 1):
+        for (r, s), names in _expected(pipe, 4).items():
+            got = [e.name for e in events if e.kind in _ACTIONS and e.step == step
+                   and (e.rank, e.stage) == (r, s)]
+            assert got == names, (schedule, step, r, s, got, names)
+    losses = [e for e in events if e.kind is EventKind.LOSS]
+    assert sorted((e.step, e.stage, e.microbatch) for e in losses) == [
+        (t, 1, i) for t in (0, 1) for i in range(4)]
+    recomputed = {(e.stage, e.microbatch) for e in events if e.kind is EventKind.RECOMPUTE}
+    assert recomputed == ({(s, i) for s in (0, 1) for i in range(4)}
+                          if checkpoint == "always" else set())
+    waits = [e for e in events if e.kind is EventKind.WAIT and e.what in
+             ("activation", "gradient")]
+    assert any(e.rank == 1 for e in waits) and any(e.rank == 0 for e in waits)
+    for wait in waits:  # one clock: no message is waited for after it arrived
+        assert _matching_send(events, wait).start <= wait.end, (schedule, wait)
+    assert [s.index for s in recording.steps] == [0, 1]
+    assert recording.steps[0].num_microbatches == 4
+    for step in recording.steps:
+        inside = [e for e in events if e.step == step.index]
+        assert step.start <= min(e.start for e in inside)
+        assert max(e.end for e in inside) <= step.end
 
 
 def test_two_rank_recording_merges_on_one_clock() -> None:

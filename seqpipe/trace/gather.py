@@ -5,8 +5,9 @@ estimates every other rank's offset NTP-style: it sends its time, the other rank
 with its own at arrival, and ``offset = t_other - (t_sent + t_back) / 2``, kept from the
 round trip (of several) that was shortest, so the error is at most half of it. Events
 then travel as tensors, like the transport's messages (float64 times, int64 fields; no
-pickled objects), through ``all_gather`` on the pipeline's group, and the first rank
-shifts each rank's events onto its own clock.
+pickled objects), in one ``all_gather`` on the pipeline's group (after one of their
+sizes), and the first rank shifts each rank's events onto its own clock, each offset
+first clamped into what the recorded messages allow (``seqpipe.trace.align``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.trace.align import causal_offsets
 from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
 
 __all__ = ["WHATS", "clock_offsets", "decode", "encode", "gather_recording"]
@@ -47,9 +49,9 @@ def encode(events: Sequence[Event]) -> Tuple[Tensor, Tensor]:
     return times.reshape(-1, 2), fields.reshape(-1, 7)
 
 
-def decode(times: Tensor, fields: Tensor, shift: float = 0.0) -> List[Event]:
-    """The events ``encode`` made, their times minus ``shift``."""
-    return [Event(_KINDS[k], stage, start - shift, end - shift, _back(mb), rank, _back(peer),
+def decode(times: Tensor, fields: Tensor) -> List[Event]:
+    """The events ``encode`` made."""
+    return [Event(_KINDS[k], stage, start, end, _back(mb), rank, _back(peer),
                   None if what < 0 else WHATS[what], step)
             for (start, end), (k, stage, mb, rank, peer, what, step)
             in zip(times.tolist(), fields.tolist())]
@@ -92,19 +94,31 @@ def clock_offsets(group: Any, device: torch.device, clock: Callable[[], float],
     return offsets
 
 
-def _all_gather(tensor: Tensor, group: Any, device: torch.device) -> List[Tensor]:
-    """Every rank's ``tensor`` (first dimension may differ), on the CPU."""
+def _all_gather(parts: Sequence[Tensor], group: Any, device: torch.device
+                ) -> List[List[Tensor]]:
+    """Every rank's ``parts`` (2-D tensors whose first dimensions may differ between
+    ranks), on the CPU: one all-gather of their sizes, one of their bytes."""
     n = dist.get_world_size(group)
-    size = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=device)
+    size = torch.tensor([len(p) for p in parts], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(n)]
     dist.all_gather(sizes, size, group=group)
-    counts = [int(s.item()) for s in sizes]
-    padded = torch.zeros((max(counts),) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
-                         device=device)
-    padded[:tensor.shape[0]] = tensor.to(device)
-    parts = [torch.zeros_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded, group=group)
-    return [p[:c].cpu() for p, c in zip(parts, counts)]
+    counts = [s.tolist() for s in sizes]
+    widths = [p.element_size() * p.shape[1] for p in parts]  # bytes per row
+    longest = max(sum(c * w for c, w in zip(row, widths)) for row in counts)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    joined = torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+    mine[:joined.numel()] = joined
+    received = [torch.zeros_like(mine, device=device) for _ in range(n)]
+    dist.all_gather(received, mine.to(device), group=group)
+    out = []
+    for row, buffer in zip(counts, received):
+        buffer, pieces, at = buffer.cpu(), [], 0
+        for count, width, like in zip(row, widths, parts):
+            piece = buffer[at:at + count * width].view(like.dtype)
+            pieces.append(piece.reshape(count, like.shape[1]))
+            at += count * width
+        out.append(pieces)
+    return out
 
 
 def gather_recording(local: Recording, group: Any, device: torch.device,
@@ -116,15 +130,17 @@ def gather_recording(local: Recording, group: Any, device: torch.device,
     times, fields = encode(local.events)
     steps = torch.tensor([[s.index, s.start, s.end] for s in local.steps],
                          dtype=torch.float64).reshape(-1, 3)
-    all_times = _all_gather(times, group, device)
-    all_fields = _all_gather(fields, group, device)
-    all_steps = _all_gather(steps, group, device)
+    everyone = _all_gather([times, fields, steps], group, device)
     if dist.get_rank(group) != 0:
         return local
-    events = [e for r, (t, f) in enumerate(zip(all_times, all_fields))
-              for e in decode(t, f, offsets[r])]
+    mine = [decode(t, f) for t, f, _ in everyone]
+    ranks = [dist.get_global_rank(group, r) if group is not None else r
+             for r in range(len(everyone))]
+    offsets = causal_offsets(offsets, ranks, [e for events in mine for e in events])
+    events = [replace(e, start=e.start - offsets[r], end=e.end - offsets[r])
+              for r, rank_events in enumerate(mine) for e in rank_events]
     bounds: Dict[int, Tuple[float, float]] = {}
-    for r, rows in enumerate(all_steps):
+    for r, (_, _, rows) in enumerate(everyone):
         for index, start, end in rows.tolist():
             lo, hi = bounds.get(int(index), (start - offsets[r], end - offsets[r]))
             bounds[int(index)] = (min(lo, start - offsets[r]), max(hi, end - offsets[r]))
