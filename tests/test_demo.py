@@ -62,7 +62,7 @@ def test_trace_option_writes_the_last_steps_json_and_svg(
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"F0", "F3", "B0", "B3"} <= names
     assert ET.parse(where / "trace.svg").getroot().tag.endswith("svg")
-    assert "1 step recorded" in out and "biggest wait" in out
+    assert "step 0 (fill_drain, 4 micro-batches)" in out and "biggest wait: stage" in out
     assert str(where / "trace.json") in out
 
 
