@@ -220,6 +220,7 @@ def _two_ranks(rank: int, world: int) -> None:
         pipe = DistributedPipe(_model(), chunks=4, balance=[3, 3], schedule=schedule,
                                checkpoint=checkpoint)
         x, y = torch.randn(8, 8), torch.randn(8, 8)
+        _untraced_step_creates_no_span(pipe, x, y)
         with seqpipe.trace.record(clock=skew) as rec:
             for _ in range(2):
                 pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
@@ -231,6 +232,18 @@ def _two_ranks(rank: int, world: int) -> None:
     assert offsets[0] == 0.0 and abs(offsets[1] + 1000.0) < 0.05, offsets  # NTP alone
     for (schedule, checkpoint), (pipe, recording) in recordings.items():
         _check_merged(pipe, recording, schedule, checkpoint)
+
+
+def _untraced_step_creates_no_span(pipe: object, x: torch.Tensor, y: torch.Tensor) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("a trace hook was entered")
+    original = hooks._Span.__init__
+    hooks._Span.__init__ = refuse  # type: ignore[method-assign]
+    try:
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        nn.functional.mse_loss)
+    finally:
+        hooks._Span.__init__ = original  # type: ignore[method-assign]
 
 
 def _check_merged(pipe: object, recording: Recording, schedule: str, checkpoint: str) -> None:
@@ -277,6 +290,12 @@ def _replicas(rank: int, world: int) -> None:
         pipe.train_step(torch.randn(4, 8), torch.randn(4, 8), nn.functional.mse_loss)
     reductions = [e for e in rec.recording.events if e.kind is EventKind.REDUCE]
     assert [(e.name, e.rank) for e in reductions] == [("reduce data parallel", rank)]
+    pipe.eval()
+    with seqpipe.trace.record() as rec:
+        pipe(torch.randn(4, 8))
+    [step] = rec.recording.steps
+    assert (step.backward, step.num_microbatches) == (False, 2)
+    assert [e.name for e in rec.recording.events if e.kind in _ACTIONS] == ["F0", "F1"]
     del pp, dp
     dist.barrier()
 
