@@ -25,6 +25,8 @@ if torch.distributed.is_available():
     import torch.distributed.nn.functional  # noqa: F401
 
 from seqpipe.rng import isolated_rng
+from seqpipe.trace import hooks
+from seqpipe.trace.events import EventKind
 
 __all__ = ["MODES", "Replay", "check_mode", "checkpoint_stop", "checkpointed", "first_pass",
            "is_checkpointing", "is_recomputing", "run_task"]
@@ -72,6 +74,12 @@ def checkpoint_stop(mode: str, num_microbatches: int) -> int:
             "never": 0}[mode]
 
 
+def _recompute(label: Optional[hooks.Label]) -> ContextManager[Any]:
+    """The traced span of a recomputation, named by the forward it replays (``label``,
+    taken when that forward ran: the recomputation may run on another thread)."""
+    return hooks.OFF if label is None else hooks.span(EventKind.RECOMPUTE, *label)
+
+
 def _rng(seed: Optional[int]) -> ContextManager[None]:
     return nullcontext() if seed is None else isolated_rng(seed)
 
@@ -106,12 +114,15 @@ RngContexts = Callable[[], Tuple[ContextManager[Any], ContextManager[Any]]]
 def checkpointed(function: Callable[..., Any], args: Tuple[Any, ...], rng: RngContexts, *,
                  preserve_rng_state: bool) -> Any:
     """``function(*args)`` under ``torch.utils.checkpoint`` (non-reentrant), its forward
-    flagged ``is_checkpointing()`` and its recomputation ``is_recomputing()``; ``rng()``,
-    called as the checkpoint starts, gives the random contexts of the two passes."""
+    flagged ``is_checkpointing()`` and its recomputation ``is_recomputing()`` (and traced as
+    the forward's recomputation); ``rng()``, called as the checkpoint starts, gives the
+    random contexts of the two passes."""
+    label = hooks.current_label()
+
     def contexts() -> Tuple[ContextManager[None], ContextManager[None]]:
         forward, recompute = rng()
         return (_entered(_flag("checkpointing"), forward),
-                _entered(_flag("recomputing"), recompute))
+                _entered(_flag("recomputing"), recompute, _recompute(label)))
 
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts,
                             preserve_rng_state=preserve_rng_state)
@@ -130,10 +141,16 @@ class Replay:
     device: torch.device
     cpu_state: Optional[torch.Tensor] = None
     device_state: Optional[torch.Tensor] = None
+    label: Optional[hooks.Label] = None  # the forward's (stage, micro-batch), if traced
 
     @contextmanager
     def recomputing(self) -> Iterator[None]:
         """Gradients on, ``is_recomputing()`` true and the random state of the first pass."""
+        with _recompute(self.label), self._replayed():
+            yield
+
+    @contextmanager
+    def _replayed(self) -> Iterator[None]:
         if self.seed is not None:
             with torch.enable_grad(), _flag("recomputing"):
                 yield  # run_task's private stream, reseeded by the caller with ``seed``
@@ -150,7 +167,7 @@ class Replay:
 def first_pass(function: Callable[..., Any], args: Tuple[Any, ...], *, seed: Optional[int],
                device: torch.device) -> Tuple[Any, Replay]:
     """Run a checkpointed forward without keeping a graph; and how to replay it."""
-    replay = Replay(seed, device)
+    replay = Replay(seed, device, label=hooks.current_label())
     if seed is None:
         replay.cpu_state = torch.get_rng_state()
         if device.type == "cuda":

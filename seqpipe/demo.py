@@ -7,6 +7,7 @@ GPU if there are several, else two ``cpu`` partitions — with a balance chosen 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
 from seqpipe.pipe import Pipe
 from seqpipe.schedule import simulate
+from seqpipe.trace import Recorder, record
 
 __all__ = ["build_model", "make_data", "main", "parse_args", "run_distributed", "sample_batch"]
 
@@ -106,6 +108,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "of the local Pipe")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "fill_drain"],
                         help="the clock of the distributed run")
+    parser.add_argument("--trace", metavar="DIR", type=pathlib.Path, default=None,
+                        help="write the last step's measured timeline to DIR/trace.json "
+                             "(Chrome trace: Perfetto, chrome://tracing) and DIR/trace.svg, "
+                             "and print its summary (without it: a one-line summary)")
     args = parser.parse_args(argv)
     layers = len(build_model())
     if args.processes is not None and args.partitions is not None:
@@ -139,11 +145,17 @@ StepFn = Callable[[Tensor, Tensor], float]
 
 
 def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
-           talk: bool) -> float:
-    """Run ``step_fn(images, labels) -> loss`` over ``data``; print the loss and the rate."""
+           talk: bool) -> Tuple[float, Recorder]:
+    """Run ``step_fn(images, labels) -> loss`` over ``data``; print the loss and the rate.
+    The last step runs inside ``seqpipe.trace.record()``: its recorder is returned."""
     start, seen, loss_value = time.perf_counter(), 0, float("nan")
+    recorder = record()
     for step, (images, labels) in enumerate(data, 1):
-        loss_value = step_fn(images, labels)
+        if step == steps:
+            with recorder:
+                loss_value = step_fn(images, labels)
+        else:
+            loss_value = step_fn(images, labels)
         seen += len(images)
         if talk and (step == 1 or step % 5 == 0 or step == steps):
             rate = seen / (time.perf_counter() - start)
@@ -153,7 +165,22 @@ def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
     if talk:
         print(f"done: {seen} samples in {elapsed:.2f} s ({seen / elapsed:.1f} samples/s), "
               f"final loss {loss_value:.4f}", flush=True)
-    return loss_value
+    return loss_value, recorder
+
+
+def _show_trace(recorder: Recorder, directory: Optional[pathlib.Path]) -> None:
+    """The last step's summary: in full, with its JSON and SVG in ``directory`` if given,
+    else in one line."""
+    summary = recorder.summary()
+    if directory is None:
+        print(summary.oneline(), flush=True)
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    recorder.to_chrome(directory / "trace.json")
+    recorder.to_svg(directory / "trace.svg")
+    print(f"last step traced: {directory / 'trace.json'} (open in https://ui.perfetto.dev "
+          f"or chrome://tracing), {directory / 'trace.svg'}")
+    print(summary, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> float:
@@ -188,9 +215,10 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
         optimizer.step()
         return loss.item()
 
-    loss_value = _train(step, make_data(args.steps, args.batch, seed=args.seed), args.steps,
-                        talk=True)
+    loss_value, recorder = _train(step, make_data(args.steps, args.batch, seed=args.seed),
+                                  args.steps, talk=True)
     _print_schedule("fill_drain", len(pipe.balance), min(args.chunks, args.batch))
+    _show_trace(recorder, args.trace)
     return loss_value
 
 
@@ -234,8 +262,9 @@ def run_distributed(args: argparse.Namespace) -> float:
         optimizer.step()
         return loss.item()
 
-    loss_value = _train(step, make_data(args.steps, args.batch, seed=args.seed), args.steps,
-                        talk=rank == 0)
-    if rank == 0:
+    loss_value, recorder = _train(step, make_data(args.steps, args.batch, seed=args.seed),
+                                  args.steps, talk=rank == 0)
+    if rank == 0:  # holds every rank's events, gathered when the last step's block ended
         _print_schedule(args.schedule, world, min(args.chunks, args.batch))
+        _show_trace(recorder, args.trace)
     return loss_value

@@ -107,6 +107,24 @@ class LocalStep(Tasks):
         return has(("grad", s, i)) and all(
             has(("skipgrad", s, i, skip.key)) for skip in layout.skips_stashed_by(s))
 
+    def awaits(self, action: Action) -> Optional[Tuple[int, str]]:
+        """What ``action`` still waits for, as (stage, message); asked while tracing."""
+        s, i = action.stage, action.microbatch
+        assert s is not None
+        layout, has = self.pipeline.layout, self.mailbox.has
+        if action.phase is Phase.FORWARD:
+            if not has(("act", s, i)):
+                return s - 1, "activation"
+            return next(((skip.stash_partition, "skip tensor")
+                         for skip in layout.skips_popped_by(s)
+                         if not has(("skip", s, i, skip.key))), None)
+        if self.ready(action):
+            return None
+        if not has(("grad", s, i)):
+            return s + 1, "gradient"
+        return next(((skip.pop_partition, "skip gradient") for skip in layout.skips_stashed_by(s)
+                     if not has(("skipgrad", s, i, skip.key))), None)
+
     def program(self, actions: Sequence[Action], targets: Optional[Sequence[Any]] = None,
                 loss_fn: Optional[LossFn] = None, weights: Sequence[float] = ()) -> Program:
         """A worker program of ``actions`` (each naming its stage; of one stage, or of the
@@ -122,4 +140,4 @@ class LocalStep(Tasks):
             with nullcontext() if own == device else device_context(own):
                 self.run(action, None, targets, loss_fn, weights)
 
-        return Program(first, actions, self.ready, execute, device)
+        return Program(first, actions, self.ready, execute, device, self.awaits)

@@ -143,6 +143,7 @@ class TrainStep:
         m = len(self.microbatches)
         self.targets, self.weights = split_target(target, m)
         self.actions = local_actions(schedule, len(pipe.partitions), m)
+        self.schedule = schedule
         self.loss_fn = loss_fn
         self.loss: Optional[Tensor] = None
         self.params: List[nn.Parameter] = []
@@ -154,7 +155,8 @@ class TrainStep:
         mode = pipe.checkpoint if pipe.training else "never"
         run, self.loss = pipe._pipeline.train_step(
             self.microbatches, self.targets, self.weights, self.loss_fn, self.actions,
-            checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)))
+            checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)),
+            schedule=self.schedule)
         assert run.sink is not None
         self._sums = dict(run.sink.take())
         self._input_grads = run.input_grads

@@ -29,6 +29,8 @@ from seqpipe.stage import Grads, Stage, TaskState, moved, wants_grad
 from seqpipe.stream import move
 from seqpipe.tasks import LossFn
 from seqpipe.thread_state import ThreadState
+from seqpipe.trace import hooks
+from seqpipe.trace.events import EventKind
 from seqpipe.worker import Mailbox, Program, run_groups
 
 __all__ = ["LocalPipeline", "LocalRun"]
@@ -46,6 +48,7 @@ class LocalRun:
     sink: Optional[GradSink] = None  # where parameter gradients add up, with grad
     outputs: List[Optional[Batch]] = field(default_factory=list)
     input_grads: List[Optionals] = field(default_factory=list)
+    trace_step: Optional[int] = None  # its index in an open seqpipe.trace.record()
 
 
 class LocalPipeline:
@@ -74,10 +77,13 @@ class LocalPipeline:
         """Run every micro-batch through every stage; outputs land in ``run.outputs``."""
         m, k = len(batches), len(self.stages)
         run = self._open(m, grad)
+        run.trace_step = hooks.begin_step(self.schedule, k, k, m, backward=grad)
         step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m))
         self._put_inputs(step, batches)
         self._run_forwards(step, [[step.program(forward_phase(self._actions(s, m)))]
                                   for s in range(k)], concurrent=self._cpu_stages())
+        if not grad:
+            hooks.end_step(run.trace_step)
         return run
 
     def _open(self, m: int, grad: bool) -> LocalRun:
@@ -111,14 +117,16 @@ class LocalPipeline:
                       skips: Dict[SkipKey, Optional[Tensor]],
                       wants: Callable[[Optional[Tensor]], bool] = wants_grad) -> None:
         if s + 1 < len(self.stages):
-            batch, _ = moved(outputs, self.devices[s + 1])
-            mailbox.put(("act", s + 1, i), (batch, tuple(wants(t) for t in outputs.tensors)))
+            with hooks.span(EventKind.SEND, s, i, peer=s + 1, what="activation"):
+                batch, _ = moved(outputs, self.devices[s + 1])
+                mailbox.put(("act", s + 1, i), (batch, tuple(wants(t) for t in outputs.tensors)))
         else:
             run.outputs[i] = outputs.like([t.detach() for t in outputs.tensors])
         for key, tensor in skips.items():
             dest = self.layout.pop_partition(*key)
-            mailbox.put(("skip", dest, i, key), (move(tensor, self.devices[dest]),
-                                                  wants(tensor)))
+            with hooks.span(EventKind.SEND, s, i, peer=dest, what="skip tensor"):
+                mailbox.put(("skip", dest, i, key), (move(tensor, self.devices[dest]),
+                                                      wants(tensor)))
 
     # -- backward ----------------------------------------------------------------------
     def backward(self, run: LocalRun,
@@ -135,6 +143,7 @@ class LocalPipeline:
                 "Run the forward again (there is no retain_graph for a Pipe)")
         m, k = run.num_microbatches, len(self.stages)
         run.input_grads = [()] * m
+        hooks.resume_step(run.trace_step)
         step = LocalStep(self, run)
         for i, grads in enumerate(grad_outputs):
             step.mailbox.put(("grad", k - 1, i), grads)
@@ -143,33 +152,38 @@ class LocalPipeline:
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         run_groups([inline, *threaded] if inline else threaded, step.mailbox,
                    ThreadState(concurrent=len(threaded), devices=self.devices))
+        hooks.end_step(run.trace_step)
         return dict(run.sink.take()) if run.sink is not None else {}
 
     def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,
                        received: Grads) -> None:
         if s > 0:
-            mailbox.put(("grad", s - 1, i),
-                        tuple(move(g, self.devices[s - 1]) for g in received.inputs))
+            with hooks.span(EventKind.SEND, s, i, peer=s - 1, what="gradient"):
+                mailbox.put(("grad", s - 1, i),
+                            tuple(move(g, self.devices[s - 1]) for g in received.inputs))
         else:
             run.input_grads[i] = received.inputs
         for key, grad in received.skips.items():
             src = self.layout.stash_partition(*key)
-            mailbox.put(("skipgrad", src, i, key), move(grad, self.devices[src]))
+            with hooks.span(EventKind.SEND, s, i, peer=src, what="skip gradient"):
+                mailbox.put(("skipgrad", src, i, key), move(grad, self.devices[src]))
 
     # -- a training step under a schedule ----------------------------------------------
     def train_step(self, batches: Sequence[Batch], targets: Sequence[Any], weights: Sequence[float],
                    loss_fn: LossFn, actions: Sequence[Sequence[Action]], *,
-                   checkpoint_stop: int) -> Tuple[LocalRun, Tensor]:
+                   checkpoint_stop: int, schedule: Any = None) -> Tuple[LocalRun, Tensor]:
         """Forward and backward every micro-batch in the order ``actions`` gives, one list
         per worker thread (``actions[r]``: rank ``r``'s, each naming its stage; one stage
         per rank, or several under interleaved and V-shaped schedules).
 
         Returns the call (its ``sink`` holds the parameters' gradients, summed over
         micro-batches; ``input_grads`` the inputs') and the mini-batch loss: the sum of
-        the micro-batch losses, each times its ``weights`` entry.
+        the micro-batch losses, each times its ``weights`` entry. ``schedule``: what the
+        actions came from, for a trace to name and replay.
         """
         m = len(batches)
         run = self._open(m, True)
+        run.trace_step = hooks.begin_step(schedule, len(self.stages), len(actions), m)
         run.input_grads = [()] * m
         split = {(a.stage, a.microbatch) for stage in actions for a in stage
                  if a.phase is Phase.BACKWARD_INPUT}
@@ -180,4 +194,5 @@ class LocalPipeline:
                                   for rank in actions],
                            concurrent=sum(self.devices[rank[0].stage].type == "cpu"  # type: ignore[index]
                                           for rank in actions))
+        hooks.end_step(run.trace_step)
         return run, torch.stack(step.losses).sum()

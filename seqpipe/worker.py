@@ -22,6 +22,8 @@ import torch
 
 from seqpipe.schedule import Action
 from seqpipe.thread_state import ThreadState
+from seqpipe.trace import hooks
+from seqpipe.trace.events import EventKind
 
 __all__ = ["Mailbox", "Program", "device_context", "run_groups"]
 
@@ -74,6 +76,8 @@ class Program:
     ready: Callable[[Action], bool]
     execute: Callable[[Action], None]
     device: torch.device
+    # what an action still waits for, as (stage, message): asked only while tracing
+    awaits: Optional[Callable[[Action], Optional[Tuple[int, str]]]] = None
 
 
 def device_context(device: torch.device) -> Any:
@@ -96,7 +100,11 @@ def _drive(programs: List[Program], mailbox: Mailbox) -> None:
         return False
 
     while any(p < len(prog.actions) for p, prog in zip(positions, programs)):
-        mailbox.wait_for(any_ready)
+        if hooks.enabled() and not any_ready():
+            with _waiting(programs, positions):
+                mailbox.wait_for(any_ready)
+        else:
+            mailbox.wait_for(any_ready)
         k = chosen[0]
         action = programs[k].actions[positions[k]]
         try:
@@ -108,6 +116,16 @@ def _drive(programs: List[Program], mailbox: Mailbox) -> None:
                          f"{action.phase.value} of micro-batch {action.microbatch}")
             raise
         positions[k] += 1
+
+
+def _waiting(programs: List[Program], positions: List[int]) -> Any:
+    """A wait of the first unfinished program (on a worker thread, the only one), as a
+    traced span naming the message it waits for."""
+    k = next(k for k, p in enumerate(programs) if positions[k] < len(p.actions))
+    program, action = programs[k], programs[k].actions[positions[k]]
+    peer, what = (program.awaits(action) if program.awaits is not None else None) or (None, None)
+    stage = program.stage if action.stage is None else action.stage
+    return hooks.span(EventKind.WAIT, stage, action.microbatch, peer=peer, what=what)
 
 
 def _join(workers: List[Tuple[threading.Thread, threading.Event]], mailbox: Mailbox) -> None:

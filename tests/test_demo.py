@@ -1,6 +1,10 @@
 """``python -m seqpipe``: its command line, and one short run of each engine."""
 from __future__ import annotations
 
+import json
+import pathlib
+import xml.etree.ElementTree as ET
+
 import pytest
 
 from seqpipe.demo import main, make_data, parse_args
@@ -28,7 +32,7 @@ def test_help_shows_every_option_with_its_default(capsys: pytest.CaptureFixture)
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for option in ("--steps", "--batch", "--chunks", "--partitions", "--checkpoint",
-                   "--balance-by", "--lr", "--seed", "--processes", "--schedule"):
+                   "--balance-by", "--lr", "--seed", "--processes", "--schedule", "--trace"):
         assert option in text, option
     assert "(default: 30)" in text and "(default: except_last)" in text
 
@@ -46,6 +50,20 @@ def test_local_run_trains_and_shows_the_clock(capsys: pytest.CaptureFixture) -> 
     assert "partition 0 on cpu:" in out and "partition 1 on cpu:" in out
     assert "schedule 'fill_drain', 2 stages x 4 micro-batches" in out and "bubble 20%" in out
     assert "rank 0: F0 F1 F2 F3" in out
+    assert out.strip().splitlines()[-1].startswith("trace: 1 step, ")  # the last step's
+
+
+def test_trace_option_writes_the_last_steps_json_and_svg(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    where = tmp_path / "out"
+    main(["--steps", "2", "--batch", "8", "--balance-by", "params", "--trace", str(where)])
+    out = capsys.readouterr().out
+    trace = json.loads((where / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"F0", "F3", "B0", "B3"} <= names
+    assert ET.parse(where / "trace.svg").getroot().tag.endswith("svg")
+    assert "step 0 (fill_drain, 4 micro-batches)" in out and "biggest wait: stage" in out
+    assert str(where / "trace.json") in out
 
 
 def test_distributed_run_lists_its_stages_and_shows_the_clock(
@@ -56,3 +74,5 @@ def test_distributed_run_lists_its_stages_and_shows_the_clock(
     assert "stage 0 on rank 0:" in out and "stage 1 on rank 1:" in out
     assert "schedule '1f1b', 2 stages x 4 micro-batches" in out and "rank 1: " in out
     assert "done: 16 samples" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("trace: 1 step, "), last

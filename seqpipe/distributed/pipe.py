@@ -39,6 +39,7 @@ from seqpipe.distributed.plan import (
 )
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
+from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from seqpipe.partition import check_balance, verify_module
@@ -57,6 +58,8 @@ from seqpipe.schedule import (
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
 from seqpipe.tasks import split_target
+from seqpipe.trace import hooks
+from seqpipe.trace.events import EventKind
 
 __all__ = ["DistributedPipe"]
 
@@ -376,8 +379,10 @@ class DistributedPipe(nn.Module):
         self._transport.begin()
         call = Call(self._stages, self._transport, self._layout, self.placement, grad=True,
                     seed=seed, timer=self._auto.timer() if self._auto else None)
+        step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
         with self._dropping_statistics_on_failure():
             loss = self._train_step(call, input, target, loss_fn)
+        end_step(step, self, call)
         if call.timer is not None and self._auto is not None:  # measured: pick from now on
             self._auto.decide(call.timer, call.microbatches)
             self._plans.clear()
@@ -430,11 +435,13 @@ class DistributedPipe(nn.Module):
                 stage.finish_forward()
             loss = self._close(call, torch.stack(call.losses).sum() if self.is_last else None)
             if self._reducer is not None:
-                self._reducer.finish()
+                with hooks.span(EventKind.REDUCE, self.stage_index, what="data parallel"):
+                    self._reducer.finish()
                 if self.broadcast_buffers:
                     broadcast_buffers(self.partition, self._reducer.group)
             if self._tied is not None:
-                self._tied.reduce_grads()  # after the replicas' mean: the two commute
+                with hooks.span(EventKind.REDUCE, self.stage_index, what="tied weights"):
+                    self._tied.reduce_grads()  # after the replicas' mean: the two commute
         assert loss is not None
         return loss
 
@@ -444,8 +451,11 @@ class DistributedPipe(nn.Module):
         the others."""
         self._transport.begin()
         call = Call(self._stages, self._transport, self._layout, self.placement, grad=False)
+        step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
         with self._dropping_statistics_on_failure():
-            return self._forward(call, input)
+            output = self._forward(call, input)
+        end_step(step, self, call)
+        return output
 
     def _forward(self, call: Call,
                  input: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:

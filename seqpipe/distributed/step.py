@@ -35,6 +35,7 @@ from typing import (
 
 from torch import Tensor
 
+from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.auto import ActionTimer
 from seqpipe.distributed.plan import Planned
@@ -50,9 +51,7 @@ from seqpipe.tasks import LossFn, Tasks
 
 __all__ = ["Call", "LossFn", "describe"]
 
-_WHAT = {Kind.ACTIVATION: "activation", Kind.GRAD: "gradient", Kind.SKIP: "skip tensor",
-         Kind.SKIP_GRAD: "skip gradient", Kind.STEP: "start of the step",
-         Kind.DONE: "end of the step", Kind.LOSS: "loss"}
+_WHAT = traced.WHAT
 
 
 @dataclass
@@ -119,19 +118,25 @@ class Call(Tasks):
         wanted = (kind, microbatch, key, origin)
         if src == self.rank:  # from a stage of this rank: handed over already
             return self.local.pop(wanted)
-        while wanted not in self.inbox:
-            try:
-                message = self.transport.recv(src)
-            except PeerError as exc:
-                raise PeerError(f"{exc}\n  {self.name()} was at {self.action}, waiting "
-                                f"for the {_WHAT[kind]} from {self.name(src)}",
-                                peer=src) from None
-            except Exception as exc:
-                raise PeerError(
-                    f"{self.name()} lost {self.name(src)} while at {self.action}, waiting "
-                    f"for the {_WHAT[kind]}: {type(exc).__name__}: {exc}", peer=src) from exc
-            self.inbox[(message.kind, message.microbatch, message.key, message.origin)] = message
+        with traced.receiving(self, src, wanted):
+            while wanted not in self.inbox:
+                self._take(src, kind)
         return self.inbox.pop(wanted)
+
+    def _take(self, src: int, kind: Kind) -> None:
+        """Receive the next message from rank ``src`` into the inbox (waiting for a
+        ``kind``)."""
+        try:
+            message = self.transport.recv(src)
+        except PeerError as exc:
+            raise PeerError(f"{exc}\n  {self.name()} was at {self.action}, waiting "
+                            f"for the {_WHAT[kind]} from {self.name(src)}",
+                            peer=src) from None
+        except Exception as exc:
+            raise PeerError(
+                f"{self.name()} lost {self.name(src)} while at {self.action}, waiting "
+                f"for the {_WHAT[kind]}: {type(exc).__name__}: {exc}", peer=src) from exc
+        self.inbox[(message.kind, message.microbatch, message.key, message.origin)] = message
 
     def expect(self, src: int, planned: Sequence[Planned]) -> None:
         """Tell the transport what rank ``src`` will send next; posting a receive from a
@@ -158,7 +163,8 @@ class Call(Tasks):
                         values=options.get("values", ()))
             return
         try:
-            self.transport.send(dst, kind, microbatch, tensors, flags, **options)
+            with traced.sending(self, dst, kind, microbatch, options):
+                self.transport.send(dst, kind, microbatch, tensors, flags, **options)
         except (TypeError, ValueError):  # what cannot be sent at all: this stage's error
             raise
         except Exception as exc:

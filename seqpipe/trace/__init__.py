@@ -2,6 +2,7 @@
 against the simulator, and writers for Chrome trace JSON and SVG."""
 from seqpipe.trace.chrome import chrome_events, write_chrome
 from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
+from seqpipe.trace.record import Recorder, record
 from seqpipe.trace.simulated import from_simulation
 from seqpipe.trace.summary import StageTime, StepSummary, Summary, describe_wait, summarize
 from seqpipe.trace.svg import render_svg, write_svg
@@ -9,6 +10,7 @@ from seqpipe.trace.svg import render_svg, write_svg
 __all__ = [
     "Event",
     "EventKind",
+    "Recorder",
     "Recording",
     "StageTime",
     "StepRecord",
@@ -17,6 +19,7 @@ __all__ = [
     "chrome_events",
     "describe_wait",
     "from_simulation",
+    "record",
     "render_svg",
     "summarize",
     "write_chrome",

@@ -99,6 +99,8 @@ class StepRecord:
 
     ``schedule`` is what ``seqpipe.schedule.simulate`` accepts (a name or a schedule
     object); ``num_ranks`` the rows the simulator replays (devices of a local ``Pipe``).
+    ``backward``: whether the step ran backward actions too (``False`` for a forward-only
+    call, e.g. evaluation, where only the schedule's forwards ran).
     """
 
     index: int
@@ -108,6 +110,7 @@ class StepRecord:
     num_stages: int
     num_ranks: int
     num_microbatches: int
+    backward: bool = True
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""The traced spans of a distributed call's messages: which stage waits for (or sends)
+what, from (or to) which stage. See ``seqpipe.trace``; free while tracing is off."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Optional, Tuple
+
+from seqpipe.distributed.wire import Kind
+from seqpipe.trace import hooks
+from seqpipe.trace.events import EventKind
+
+if TYPE_CHECKING:
+    from seqpipe.distributed.step import Call
+
+__all__ = ["WHAT", "end_step", "receiving", "sending"]
+
+WHAT = {Kind.ACTIVATION: "activation", Kind.GRAD: "gradient", Kind.SKIP: "skip tensor",
+        Kind.SKIP_GRAD: "skip gradient", Kind.STEP: "start of the step",
+        Kind.DONE: "end of the step", Kind.LOSS: "loss"}
+
+
+def _ends(call: "Call", rank: int, kind: Kind, key: int, origin: int,
+          incoming: bool) -> Tuple[int, int]:
+    """(sending stage, receiving stage) of a message from (``incoming``) or to ``rank``."""
+    if kind is Kind.ACTIVATION:
+        return origin, origin + 1
+    if kind is Kind.GRAD:
+        return origin, origin - 1
+    if kind in (Kind.SKIP, Kind.SKIP_GRAD):
+        skip = list(call.layout)[key]
+        return origin, skip.pop_partition if kind is Kind.SKIP else skip.stash_partition
+    # a control message: the loss comes from the last stage, else a rank's first stage
+    # stands for it
+    sender, receiver = (rank, call.rank) if incoming else (call.rank, rank)
+    first = call.placement.stages_of
+    return (call.num_stages - 1 if kind is Kind.LOSS else first(sender)[0]), first(receiver)[0]
+
+
+def receiving(call: "Call", src: int, wanted: Tuple[Kind, int, int, int]) -> ContextManager[Any]:
+    """The wait for message ``wanted`` (kind, micro-batch, key, origin) from rank ``src``;
+    ``OFF`` if it already arrived."""
+    if not hooks.enabled() or wanted in call.inbox:
+        return hooks.OFF
+    kind, microbatch, key, origin = wanted
+    peer, stage = _ends(call, src, kind, key, origin, incoming=True)
+    return hooks.span(EventKind.WAIT, stage, None if microbatch < 0 else microbatch,
+                      peer=peer, what=WHAT[kind])
+
+
+def sending(call: "Call", dst: int, kind: Kind, microbatch: int,
+            options: Dict[str, Any]) -> ContextManager[Any]:
+    """Handing one message to rank ``dst`` to the transport (the send itself is
+    asynchronous)."""
+    if not hooks.enabled():
+        return hooks.OFF
+    stage, peer = _ends(call, dst, kind, options.get("key", -1), options.get("origin", -1),
+                        incoming=False)
+    return hooks.span(EventKind.SEND, stage, None if microbatch < 0 else microbatch,
+                      peer=peer, what=WHAT[kind])
+
+
+def end_step(index: Optional[int], pipe: Any, call: "Call") -> None:
+    """Complete step ``index``'s record with what ``pipe`` ran in ``call``."""
+    hooks.end_step(index, pipe.group, pipe.device, schedule=pipe.schedule,
+                   num_stages=pipe.num_stages, num_ranks=pipe.num_ranks,
+                   num_microbatches=call.microbatches, backward=call.grad)
