@@ -120,6 +120,38 @@ def test_recordings_do_not_nest() -> None:
     assert hooks.active is None
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_local_train_step_records_its_schedule_once_in_order(schedule: str) -> None:
+    """``Pipe.train_step`` records every action of its schedule (I and W apart where it
+    splits), the loss on the last stage, and a step the simulator can replay."""
+    from seqpipe.schedule import get_schedule, simulate
+    from seqpipe.schedule.protocol import staged_orders
+
+    balance = [1] * 6 if schedule == "interleaved_1f1b" else [2, 2, 2]
+    pipe = Pipe(_model(), chunks=4, checkpoint="never", balance=balance,
+                devices=["cpu"] * len(balance))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with seqpipe.trace.record() as rec:
+        pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)
+    recording = rec.recording
+    [step] = recording.steps
+    orders = staged_orders(get_schedule(schedule), step.num_ranks, 4)
+    for s in range(len(balance)):
+        expected = [f"{a.phase.letter}{a.microbatch}" for rank in orders for a in rank
+                    if a.stage == s]
+        assert _actions(recording, 0, s) == expected
+    losses = [e.microbatch for e in recording.events if e.kind is EventKind.LOSS]
+    assert sorted(losses) == [0, 1, 2, 3]
+    assert all(e.stage == len(balance) - 1 for e in recording.events
+               if e.kind is EventKind.LOSS)
+    assert (step.num_stages, step.num_microbatches) == (len(balance), 4)
+    [summary] = rec.summary().steps
+    assert summary.predicted is not None, summary.note  # replayed with the measured costs
+    planned = simulate(step.schedule, step.num_ranks, step.num_microbatches)
+    assert [[a for _, _, a in row] for row in summary.predicted.timeline] == \
+        [[a for _, _, a in row] for row in planned.timeline]
+
+
 def _forbid_spans(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object) -> None:
         raise AssertionError("a trace hook was entered")
