@@ -106,8 +106,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="run DistributedPipe over this many local processes, one stage "
                              "each (gloo on CPU, NCCL when every process gets a GPU) instead "
                              "of the local Pipe")
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "fill_drain"],
-                        help="the clock of the distributed run")
+    parser.add_argument("--schedule", default="1f1b",
+                        choices=["1f1b", "fill_drain", "zb_h1", "zb_h2"],
+                        help="the clock of each training step (Pipe.train_step, or "
+                             "DistributedPipe.train_step with --processes)")
     parser.add_argument("--trace", metavar="DIR", type=pathlib.Path, default=None,
                         help="write the last step's measured timeline to DIR/trace.json "
                              "(Chrome trace: Perfetto, chrome://tracing) and DIR/trace.svg, "
@@ -203,21 +205,21 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
                 deferred_batch_norm=True, balance=balance, devices=devices[:partitions])
     print(f"seqpipe demo: {len(model)} layers split as balance={pipe.balance} "
           f"(by {args.balance_by}) over {[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
-          f"checkpoint={args.checkpoint!r}")
+          f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(model, pipe.balance, pipe.devices, "partition")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
     def step(images: Tensor, labels: Tensor) -> float:
         optimizer.zero_grad()
-        loss = loss_fn(pipe(images), labels.to(pipe.devices[-1]))
-        loss.backward()
+        loss = pipe.train_step(images, labels.to(pipe.devices[-1]), loss_fn,
+                               schedule=args.schedule)
         optimizer.step()
         return loss.item()
 
     loss_value, recorder = _train(step, make_data(args.steps, args.batch, seed=args.seed),
                                   args.steps, talk=True)
-    _print_schedule("fill_drain", len(pipe.balance), min(args.chunks, args.batch))
+    _print_schedule(args.schedule, len(pipe.balance), min(args.chunks, args.batch))
     _show_trace(recorder, args.trace)
     return loss_value
 

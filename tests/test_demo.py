@@ -48,21 +48,22 @@ def test_local_run_trains_and_shows_the_clock(capsys: pytest.CaptureFixture) -> 
     out = capsys.readouterr().out
     assert loss == loss  # a number, not NaN
     assert "partition 0 on cpu:" in out and "partition 1 on cpu:" in out
-    assert "schedule 'fill_drain', 2 stages x 4 micro-batches" in out and "bubble 20%" in out
-    assert "rank 0: F0 F1 F2 F3" in out
+    assert "schedule '1f1b', 2 stages x 4 micro-batches" in out and "bubble 20%" in out
+    assert "rank 0: F0 F1 " in out and "rank 1: .  F0 B0 " in out
     assert out.strip().splitlines()[-1].startswith("trace: 1 step, ")  # the last step's
 
 
 def test_trace_option_writes_the_last_steps_json_and_svg(
         tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
     where = tmp_path / "out"
-    main(["--steps", "2", "--batch", "8", "--balance-by", "params", "--trace", str(where)])
+    main(["--steps", "2", "--batch", "8", "--balance-by", "params", "--trace", str(where),
+          "--schedule", "zb_h1"])
     out = capsys.readouterr().out
     trace = json.loads((where / "trace.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
-    assert {"F0", "F3", "B0", "B3"} <= names
+    assert {"F0", "F3", "I0", "W3", "loss 3"} <= names
     assert ET.parse(where / "trace.svg").getroot().tag.endswith("svg")
-    assert "step 0 (fill_drain, 4 micro-batches)" in out and "biggest wait: stage" in out
+    assert "step 0 (zb_h1, 4 micro-batches)" in out and "biggest wait: stage" in out
     assert str(where / "trace.json") in out
 
 
