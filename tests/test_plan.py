@@ -78,7 +78,7 @@ LAYOUTS = {"no skips": no_skips, "one crossing skip": crossing_skip}
 
 
 def actions_of(clock: str, k: int, m: int, grad: bool) -> List[List[Action]]:
-    """What every stage runs in a call, as ``DistributedPipe._plan`` builds it."""
+    """What every stage runs in a call, as ``CallLifecycle.plan`` builds it."""
     schedule = get_schedule(clock)
     actions = [list(schedule.actions(s, k, m)) for s in range(k)]
     return actions if grad else [forward_phase(a) for a in actions]

@@ -161,7 +161,7 @@ def _steps(rank: int, world: int, cap: Optional[float], failures: Failures) -> N
                 failures.expect(max(simulate(choice.name, world, 4).peak_activation_memory)
                                 <= cap, f"cap {cap}: {choice.name} holds more")
             if step > 0:  # the call that just ran: the pick's
-                ran = pipe._plans[(4, True)].actions
+                ran = pipe._calls.plans[(4, True)].actions
                 wanted = call_actions(get_schedule(choice.name), world, 4, True)[rank]
                 failures.expect(ran == wanted, f"cap {cap}, step {step}: ran {ran}, "
                                 f"not {choice.name}'s")

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import replace
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -12,44 +11,25 @@ from torch import Tensor, nn
 
 from seqpipe.arguments import check_checkpoint_every
 from seqpipe.batchnorm import convert_deferred_batch_norm
-from seqpipe.checkpoint import check_mode, checkpoint_stop
-from seqpipe.distributed.accumulate import StepGrads
-from seqpipe.distributed.agreement import (
-    call_kind,
-    check_same_call,
-    check_same_model,
-    opened,
-)
+from seqpipe.checkpoint import check_mode
+from seqpipe.distributed.agreement import check_same_model
 from seqpipe.distributed.auto import AutoRunner
-from seqpipe.distributed.data_parallel import (
-    GradientReducer,
-    broadcast_buffers,
-    check_data_parallel_group,
-)
+from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
+from seqpipe.distributed.lifecycle import CallLifecycle
 from seqpipe.distributed.materialize import materialize
 from seqpipe.distributed.mesh import reverse_group
-from seqpipe.distributed.plan import (
-    OPENING,
-    Planned,
-    call_actions,
-    closer,
-    messages,
-    pipeline_channels,
-)
-from seqpipe.distributed.step import Call, LossFn, describe
+from seqpipe.distributed.plan import pipeline_channels
+from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
-from seqpipe.distributed.traced import end_step
-from seqpipe.distributed.transport import Kind, Transport
-from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
+from seqpipe.distributed.transport import Transport
+from seqpipe.microbatch import TensorOrTensors
 from seqpipe.partition import check_balance, verify_module
 from seqpipe.pipe import check_chunks
 from seqpipe.schedule import (
-    Action,
     AnySchedule,
     Auto,
     AutoChoice,
-    Phase,
     Placement,
     get_schedule,
     placement_of,
@@ -57,22 +37,8 @@ from seqpipe.schedule import (
 )
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
-from seqpipe.tasks import split_target
-from seqpipe.trace import hooks
-from seqpipe.trace.events import EventKind
 
 __all__ = ["DistributedPipe"]
-
-_LAST = (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)  # a stage's gradients are final after these
-
-
-@dataclass(frozen=True)
-class _CallPlan:
-    """A rank's part of a call: its actions and the messages it receives and sends."""
-
-    actions: List[Action]
-    incoming: Dict[int, List[Planned]]
-    outgoing: Dict[int, List[Planned]]
 
 
 def _default_device() -> torch.device:
@@ -211,11 +177,14 @@ class DistributedPipe(nn.Module):
             self._tied = TiedCopies(self.ties, dict(self.named_parameters(remove_duplicate=False)),
                                     self.rank, group, data_parallel_group, self.device)
             self._tied.verify(tied_on_meta, at_construction=True)
-        self._validated = {self.chunks}
-        self._plans: Dict[Tuple[int, bool], _CallPlan] = {}
         self._auto = (AutoRunner(self.schedule, self.num_ranks, self.num_stages, group,
                                  data_parallel_group, self.device)
                       if isinstance(self.schedule, Auto) else None)
+        self._calls = CallLifecycle(self._stages, self._transport, layout, self.placement,
+                                    self.schedule, chunks=self.chunks, group=group,
+                                    device=self.device, auto=self._auto, reducer=self._reducer,
+                                    tied=self._tied, partition=partition,
+                                    broadcast_buffers=self.broadcast_buffers)
 
     @property
     def auto_choice(self) -> Optional[AutoChoice]:
@@ -274,92 +243,6 @@ class DistributedPipe(nn.Module):
         schedules rank 0 holds both)."""
         return self.num_stages - 1 in self.stages
 
-    def _plan(self, m: int, grad: bool) -> "_CallPlan":
-        """This rank's actions in a call of ``m`` micro-batches, and its messages."""
-        if (m, grad) not in self._plans:
-            schedule = self._auto.schedule_for(m) if self._auto else self.schedule
-            if m not in self._validated:
-                validate_schedule(schedule, self.num_ranks, m)
-                self._validated.add(m)
-            k, me, where = self.num_ranks, self.rank, self.placement
-            actions = call_actions(schedule, k, m, grad)
-            self._plans[(m, grad)] = _CallPlan(
-                actions[me],
-                {r: messages(r, me, actions, self._layout, grad, where) for r in range(k)
-                 if r != me},
-                {r: messages(me, r, actions, self._layout, grad, where) for r in range(k)
-                 if r != me})
-        return self._plans[(m, grad)]
-
-    def _open(self, call: Call,
-              input: Optional[TensorOrTensors]) -> Tuple[List[Batch], List[Action]]:
-        """Start a call: the rank of stage 0 cuts the batch and tells every rank how many
-        micro-batches there are; then every rank knows its actions and the messages it
-        will exchange."""
-        transport = self._transport
-        opener = self.placement.rank_of(0)
-        others = [r for r in range(self.num_ranks) if r != opener]
-        if self.is_first:
-            for r in others:  # so that a failure from here on tells them
-                transport.will_send(r, [OPENING])
-            if input is None:
-                raise ValueError("the rank of stage 0 needs the input batch; pass it on "
-                                 "that rank (pipe.is_first)")
-            batches = scatter(input, self.chunks)
-            if not batches:
-                raise ValueError("the input batch is empty (size 0 on dim 0)")
-        else:
-            call.expect(opener, [OPENING])
-            opening = call.need(opener, Kind.STEP)
-            batches = [Batch((), True)] * opening.count  # placeholders: only their number
-        kind = call_kind(call.grad, call.seed is not None)
-        theirs = kind if self.is_first else opened(opening)
-        # On a mismatch, the plan of the call the others follow, so that the failure
-        # reaches the ranks that wait for this one.
-        plan = self._plan(len(batches), bool(theirs[0]))
-        call.microbatches = len(batches)
-        for r, planned in plan.incoming.items():
-            call.expect(r, planned[1:] if r == opener else planned)  # STEP: taken above
-        for r, planned in plan.outgoing.items():
-            transport.will_send(r, planned[1:] if self.is_first else planned)  # STEP: above
-        if self.is_first:
-            for r in others:
-                call.send(r, Kind.STEP, -1, [torch.tensor(kind, device=self.device)],
-                          count=len(batches))
-        check_same_call(theirs, kind)
-        return batches, plan.actions
-
-    def _close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
-        """End the call on every rank together, so no rank returns while another fails.
-
-        The rank of the last stage sends the loss to everyone; then the rank that finishes
-        last (that of stage 0 after a backward, that of the last stage after a
-        forward-only call) sends DONE to all.
-        """
-        k, rank_of = self.num_ranks, self.placement.rank_of
-        plan = self._plans[(call.microbatches, call.grad)]
-        last = rank_of(self.num_stages - 1)
-        finisher = rank_of(closer(self.num_stages, call.grad))
-        if call.grad and k > 1 and self.rank == last:
-            for r in range(k):
-                if r != last:
-                    call.send(r, Kind.LOSS, -1, [loss])
-        if any(p.kind is Kind.DONE for p in plan.outgoing.get(finisher, [])):
-            call.send(finisher, Kind.DONE, -1, [])  # after a quiet tail (see plan.quiet_tail)
-        if call.grad and k > 1 and self.rank != last:
-            loss = call.need(last, Kind.LOSS).tensors[0]
-        if self.rank == finisher:
-            for r, planned in plan.incoming.items():
-                if any(p.kind is Kind.DONE for p in planned):
-                    call.need(r, Kind.DONE)
-            for r in range(k):
-                if r != finisher:
-                    call.send(r, Kind.DONE, -1, [])
-        else:
-            call.need(finisher, Kind.DONE)
-        call.flush()
-        return loss
-
     def train_step(self, input: Optional[TensorOrTensors], target: Any,
                    loss_fn: LossFn, *, scaler: Optional[PipeGradScaler] = None) -> Tensor:
         """Forward and backward one mini-batch through the whole pipeline.
@@ -376,99 +259,14 @@ class DistributedPipe(nn.Module):
         ``scaler.step(optimizer)`` and ``scaler.update()``. The returned loss is unscaled.
         """
         seed = backward_seed(scaler, self)  # a wrong scaler: raised here, the pipe unharmed
-        self._transport.begin()
-        call = Call(self._stages, self._transport, self._layout, self.placement, grad=True,
-                    seed=seed, timer=self._auto.timer() if self._auto else None)
-        step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
-        with self._dropping_statistics_on_failure():
-            loss = self._train_step(call, input, target, loss_fn)
-        end_step(step, self, call)
-        if call.timer is not None and self._auto is not None:  # measured: pick from now on
-            self._auto.decide(call.timer, call.microbatches)
-            self._plans.clear()
-            self._validated.clear()
-            self.auto_choice  # noqa: B018 -- logs the pick for `chunks` now
-        return loss
-
-    @contextmanager
-    def _dropping_statistics_on_failure(self) -> Iterator[None]:
-        try:
-            yield
-        except BaseException:
-            for stage in self._stages.values():
-                stage.finish_forward(failed=True)
-            raise
-
-    def _trainable(self) -> List[nn.Parameter]:
-        """The trainable parameters of this rank's stages, each once, in model order."""
-        seen: Dict[int, nn.Parameter] = {}
-        for s in self.stages:
-            for param in self._stages[s].parameters():
-                seen.setdefault(id(param), param)
-        return list(seen.values())
-
-    def _train_step(self, call: Call, input: Optional[TensorOrTensors], target: Any,
-                    loss_fn: LossFn) -> Tensor:
-        targets: Optional[List[Any]] = None
-        weights: List[float] = []
-        with call.guard("start of the step"):
-            if self._reducer is not None:
-                self._reducer.follow(self._trainable())  # requires_grad as of now
-            batches, actions = self._open(call, input)
-            mode = self.checkpoint if self.training else "never"
-            call.checkpoint_stop = checkpoint_stop(mode, len(batches))
-            if self.is_last:
-                targets, weights = split_target(target, len(batches))
-        ends = [n for n, a in enumerate(actions) if a.phase in _LAST]
-        for n in ends:  # each stage's last B or W: its gradients are final there
-            call.grads[actions[n].stage] = StepGrads(self._stages[actions[n].stage],
-                                                     actions[n].microbatch)
-        call.split = {(a.stage, a.microbatch) for a in actions
-                      if a.phase is Phase.BACKWARD_INPUT}
-        for n, action in enumerate(actions):
-            with call.guard(describe(action), action.stage):
-                if n == ends[-1] and self._reducer is not None:
-                    self._reducer.arm()  # gradients final from here: reduce as they land
-                call.run(action, batches, targets, loss_fn, weights)
-        with call.guard("end of the step"):
-            for stage in self._stages.values():
-                stage.finish_forward()
-            loss = self._close(call, torch.stack(call.losses).sum() if self.is_last else None)
-            if self._reducer is not None:
-                with hooks.span(EventKind.REDUCE, self.stage_index, what="data parallel"):
-                    self._reducer.finish()
-                if self.broadcast_buffers:
-                    broadcast_buffers(self.partition, self._reducer.group)
-            if self._tied is not None:
-                with hooks.span(EventKind.REDUCE, self.stage_index, what="tied weights"):
-                    self._tied.reduce_grads()  # after the replicas' mean: the two commute
-        assert loss is not None
-        return loss
+        return self._calls.train_step(input, target, loss_fn, seed, chunks=self.chunks,
+                                      checkpoint=self.checkpoint if self.training else "never")
 
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
         """Inference: the output on the rank of the last stage (``is_last``), ``None`` on
         the others."""
-        self._transport.begin()
-        call = Call(self._stages, self._transport, self._layout, self.placement, grad=False)
-        step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
-        with self._dropping_statistics_on_failure():
-            output = self._forward(call, input)
-        end_step(step, self, call)
-        return output
-
-    def _forward(self, call: Call,
-                 input: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:
-        with call.guard("start of the call"):
-            batches, actions = self._open(call, input)
-        for action in actions:
-            with call.guard(describe(action), action.stage):
-                call.run(action, batches, None, None, [])
-        with call.guard("end of the call"):
-            for stage in self._stages.values():
-                stage.finish_forward()
-            self._close(call, None)
-        return gather(call.outputs) if self.is_last else None
+        return self._calls.forward(input, self.chunks)
 
     def extra_repr(self) -> str:
         stages = ", ".join(map(str, self.stages))

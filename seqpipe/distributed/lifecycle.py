@@ -1,0 +1,282 @@
+"""A call's lifecycle on one rank of a ``DistributedPipe``: planned, opened, run, closed.
+
+``seqpipe.distributed.step.Call`` is one call's state and runs its actions one at a time,
+exchanging their messages; ``CallLifecycle`` wraps a whole ``train_step`` or ``forward``
+around it. It plans the rank's actions and the messages it receives and sends for a call of
+``m`` micro-batches (once per shape of call), opens the call (the rank of stage 0 cuts the
+batch and announces the micro-batch count with a STEP message, and every rank checks that
+all make the same kind of call), runs the rank's actions in schedule order, and closes the
+call on every rank together (the loss from the rank of the last stage, then DONE). A train
+step ends with the reductions: gradients averaged over the data-parallel replicas (and the
+stage's buffers broadcast), then those of weights tied across ranks summed. Under
+``schedule="auto"`` the first train step is timed, and the schedule picked from it runs from
+the next call on.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from seqpipe.checkpoint import checkpoint_stop
+from seqpipe.distributed.accumulate import StepGrads
+from seqpipe.distributed.agreement import call_kind, check_same_call, opened
+from seqpipe.distributed.auto import AutoRunner
+from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
+from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
+from seqpipe.distributed.step import Call, LossFn, describe
+from seqpipe.distributed.ties import TiedCopies
+from seqpipe.distributed.traced import end_step
+from seqpipe.distributed.transport import Kind, Transport
+from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
+from seqpipe.schedule import Action, AnySchedule, Phase, Placement, validate_schedule
+from seqpipe.skip.layout import SkipLayout
+from seqpipe.stage import Stage
+from seqpipe.tasks import split_target
+from seqpipe.trace import hooks
+from seqpipe.trace.events import EventKind
+
+__all__ = ["CallLifecycle", "CallPlan"]
+
+_LAST = (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)  # a stage's gradients are final after these
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """A rank's part of a call: its actions and the messages it receives and sends."""
+
+    actions: List[Action]
+    incoming: Dict[int, List[Planned]]
+    outgoing: Dict[int, List[Planned]]
+
+
+class CallLifecycle:
+    """This rank's side of every call of a ``DistributedPipe``, from planning to closing.
+
+    It holds the pipe's stages and transport (the same objects, not copies) and caches
+    the plan of each shape of call in ``plans``, keyed by ``(micro-batches, grad)``.
+    """
+
+    def __init__(self, stages: Dict[int, Stage], transport: Transport, layout: SkipLayout,
+                 placement: Placement, schedule: AnySchedule, *, chunks: int,
+                 group: Optional[dist.ProcessGroup], device: torch.device,
+                 auto: Optional[AutoRunner], reducer: Optional[GradientReducer],
+                 tied: Optional[TiedCopies], partition: nn.Sequential,
+                 broadcast_buffers: bool) -> None:
+        self.stages = stages
+        self.transport = transport
+        self.layout = layout
+        self.placement = placement
+        self.schedule = schedule
+        self.group = group  # these five: what a traced step records (traced.end_step)
+        self.device = device
+        self.auto = auto
+        self.reducer = reducer
+        self.tied = tied
+        self.partition = partition
+        self.broadcast_buffers = broadcast_buffers
+        self.rank = transport.index
+        self.num_ranks = placement.num_ranks
+        self.num_stages = placement.num_stages
+        self.stage_index = next(iter(stages))  # with one stage per rank, the stage
+        self.plans: Dict[Tuple[int, bool], CallPlan] = {}
+        self.validated: Set[int] = {chunks}  # the pipe checked the schedule for ``chunks``
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def is_last(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    def plan(self, m: int, grad: bool) -> CallPlan:
+        """This rank's actions in a call of ``m`` micro-batches, and its messages."""
+        if (m, grad) not in self.plans:
+            schedule = self.auto.schedule_for(m) if self.auto else self.schedule
+            if m not in self.validated:
+                validate_schedule(schedule, self.num_ranks, m)
+                self.validated.add(m)
+            k, me, where = self.num_ranks, self.rank, self.placement
+            actions = call_actions(schedule, k, m, grad)
+            self.plans[(m, grad)] = CallPlan(
+                actions[me],
+                {r: messages(r, me, actions, self.layout, grad, where) for r in range(k)
+                 if r != me},
+                {r: messages(me, r, actions, self.layout, grad, where) for r in range(k)
+                 if r != me})
+        return self.plans[(m, grad)]
+
+    def open(self, call: Call, input: Optional[TensorOrTensors],
+             chunks: int) -> Tuple[List[Batch], List[Action]]:
+        """Start a call: the rank of stage 0 cuts the batch and tells every rank how many
+        micro-batches there are; then every rank knows its actions and the messages it
+        will exchange."""
+        transport = self.transport
+        opener = self.placement.rank_of(0)
+        others = [r for r in range(self.num_ranks) if r != opener]
+        if self.is_first:
+            for r in others:  # so that a failure from here on tells them
+                transport.will_send(r, [OPENING])
+            if input is None:
+                raise ValueError("the rank of stage 0 needs the input batch; pass it on "
+                                 "that rank (pipe.is_first)")
+            batches = scatter(input, chunks)
+            if not batches:
+                raise ValueError("the input batch is empty (size 0 on dim 0)")
+        else:
+            call.expect(opener, [OPENING])
+            opening = call.need(opener, Kind.STEP)
+            batches = [Batch((), True)] * opening.count  # placeholders: only their number
+        kind = call_kind(call.grad, call.seed is not None)
+        theirs = kind if self.is_first else opened(opening)
+        # On a mismatch, the plan of the call the others follow, so that the failure
+        # reaches the ranks that wait for this one.
+        plan = self.plan(len(batches), bool(theirs[0]))
+        call.microbatches = len(batches)
+        for r, planned in plan.incoming.items():
+            call.expect(r, planned[1:] if r == opener else planned)  # STEP: taken above
+        for r, planned in plan.outgoing.items():
+            transport.will_send(r, planned[1:] if self.is_first else planned)  # STEP: above
+        if self.is_first:
+            for r in others:
+                call.send(r, Kind.STEP, -1, [torch.tensor(kind, device=self.device)],
+                          count=len(batches))
+        check_same_call(theirs, kind)
+        return batches, plan.actions
+
+    def close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
+        """End the call on every rank together, so no rank returns while another fails.
+
+        The rank of the last stage sends the loss to everyone; then the rank that finishes
+        last (that of stage 0 after a backward, that of the last stage after a
+        forward-only call) sends DONE to all.
+        """
+        k, rank_of = self.num_ranks, self.placement.rank_of
+        plan = self.plans[(call.microbatches, call.grad)]
+        last = rank_of(self.num_stages - 1)
+        finisher = rank_of(closer(self.num_stages, call.grad))
+        if call.grad and k > 1 and self.rank == last:
+            for r in range(k):
+                if r != last:
+                    call.send(r, Kind.LOSS, -1, [loss])
+        if any(p.kind is Kind.DONE for p in plan.outgoing.get(finisher, [])):
+            call.send(finisher, Kind.DONE, -1, [])  # after a quiet tail (see plan.quiet_tail)
+        if call.grad and k > 1 and self.rank != last:
+            loss = call.need(last, Kind.LOSS).tensors[0]
+        if self.rank == finisher:
+            for r, planned in plan.incoming.items():
+                if any(p.kind is Kind.DONE for p in planned):
+                    call.need(r, Kind.DONE)
+            for r in range(k):
+                if r != finisher:
+                    call.send(r, Kind.DONE, -1, [])
+        else:
+            call.need(finisher, Kind.DONE)
+        call.flush()
+        return loss
+
+    def train_step(self, input: Optional[TensorOrTensors], target: Any, loss_fn: LossFn,
+                   seed: Optional[Tensor], *, chunks: int, checkpoint: str) -> Tensor:
+        """One ``DistributedPipe.train_step`` on this rank, ``seed`` its loss scale (or
+        ``None``) and ``checkpoint`` the mode in force (``"never"`` in eval mode)."""
+        self.transport.begin()
+        call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
+                    seed=seed, timer=self.auto.timer() if self.auto else None)
+        step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
+        with self._dropping_statistics_on_failure():
+            loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint)
+        end_step(step, self, call)
+        if call.timer is not None and self.auto is not None:  # measured: pick from now on
+            self.auto.decide(call.timer, call.microbatches)
+            self.plans.clear()
+            self.validated.clear()
+            self.auto.schedule_for(chunks)  # logs the pick for `chunks` now
+        return loss
+
+    def forward(self, input: Optional[TensorOrTensors],
+                chunks: int) -> Optional[TensorOrTensors]:
+        """One ``DistributedPipe.forward`` on this rank (the caller turns off autograd)."""
+        self.transport.begin()
+        call = Call(self.stages, self.transport, self.layout, self.placement, grad=False)
+        step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
+        with self._dropping_statistics_on_failure():
+            output = self._forward(call, input, chunks)
+        end_step(step, self, call)
+        return output
+
+    @contextmanager
+    def _dropping_statistics_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            for stage in self.stages.values():
+                stage.finish_forward(failed=True)
+            raise
+
+    def _trainable(self) -> List[nn.Parameter]:
+        """The trainable parameters of this rank's stages, each once, in model order."""
+        seen: Dict[int, nn.Parameter] = {}
+        for stage in self.stages.values():
+            for param in stage.parameters():
+                seen.setdefault(id(param), param)
+        return list(seen.values())
+
+    def _train_step(self, call: Call, input: Optional[TensorOrTensors], target: Any,
+                    loss_fn: LossFn, chunks: int, checkpoint: str) -> Tensor:
+        targets: Optional[List[Any]] = None
+        weights: List[float] = []
+        with call.guard("start of the step"):
+            if self.reducer is not None:
+                self.reducer.follow(self._trainable())  # requires_grad as of now
+            batches, actions = self.open(call, input, chunks)
+            call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
+            if self.is_last:
+                targets, weights = split_target(target, len(batches))
+        ends = [n for n, a in enumerate(actions) if a.phase in _LAST]
+        for n in ends:  # each stage's last B or W: its gradients are final there
+            call.grads[actions[n].stage] = StepGrads(self.stages[actions[n].stage],
+                                                     actions[n].microbatch)
+        call.split = {(a.stage, a.microbatch) for a in actions
+                      if a.phase is Phase.BACKWARD_INPUT}
+        for n, action in enumerate(actions):
+            with call.guard(describe(action), action.stage):
+                if n == ends[-1] and self.reducer is not None:
+                    self.reducer.arm()  # gradients final from here: reduce as they land
+                call.run(action, batches, targets, loss_fn, weights)
+        with call.guard("end of the step"):
+            for stage in self.stages.values():
+                stage.finish_forward()
+            loss = self.close(call, torch.stack(call.losses).sum() if self.is_last else None)
+            self._reduce()
+        assert loss is not None
+        return loss
+
+    def _reduce(self) -> None:
+        """The end of a train step: the data-parallel mean (and buffer broadcast), then
+        the sum of the copies of weights tied across ranks."""
+        if self.reducer is not None:
+            with hooks.span(EventKind.REDUCE, self.stage_index, what="data parallel"):
+                self.reducer.finish()
+            if self.broadcast_buffers:
+                broadcast_buffers(self.partition, self.reducer.group)
+        if self.tied is not None:
+            with hooks.span(EventKind.REDUCE, self.stage_index, what="tied weights"):
+                self.tied.reduce_grads()  # after the replicas' mean: the two commute
+
+    def _forward(self, call: Call, input: Optional[TensorOrTensors],
+                 chunks: int) -> Optional[TensorOrTensors]:
+        with call.guard("start of the call"):
+            batches, actions = self.open(call, input, chunks)
+        for action in actions:
+            with call.guard(describe(action), action.stage):
+                call.run(action, batches, None, None, [])
+        with call.guard("end of the call"):
+            for stage in self.stages.values():
+                stage.finish_forward()
+            self.close(call, None)
+        return gather(call.outputs) if self.is_last else None
