@@ -422,3 +422,20 @@ def test_train_step_checkpoints_every_n_layers(schedule: str) -> None:
     loss = pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)
     assert torch.allclose(loss, expected_loss)
     assert_grads(pipe.parameters(), expected)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_weight_tied_across_partitions_gets_both_uses_gradients(schedule: str) -> None:
+    """A parameter two partitions share (an embedding tied to the output layer) gets the sum
+    of both uses' gradients, as in the plain model."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(W, W), nn.Linear(W, W)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(W, W), last).double()
+    x, y = data()
+    expected_loss, expected = reference(model, x, y)
+    pipe = Pipe(model, chunks=4, balance=[2, 2])
+    loss = pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)
+    assert len(list(pipe.parameters())) == 5  # the tied weight once
+    assert torch.allclose(loss, expected_loss)
+    assert_grads(pipe.parameters(), expected)
