@@ -287,6 +287,20 @@ def test_the_biggest_wait_is_named() -> None:
     assert "biggest wait: stage 1 waited 38.0 ms" in summary.oneline()
 
 
+def test_a_wait_for_data_is_named_before_a_longer_wait_to_close_the_step() -> None:
+    """Waiting for the end of the step only says another stage was still working; the
+    longest data wait says which message held a stage up. Control waits count only when
+    no data wait was recorded."""
+    data = Event(WAIT, 1, 0.0, 2 * MS, 0, peer=0, what="activation")
+    closing = Event(WAIT, 0, 3 * MS, 9 * MS, None, peer=1, what="end of the step")
+    work = [Event(F, 0, 0.0, 3 * MS, 0), Event(F, 1, 2 * MS, 9 * MS, 0)]
+    summary = summarize(Recording([data, closing, *work], [_step(0, 0.0, 9 * MS, 2, 1)]))
+    assert summary.biggest_wait == data
+    alone = summarize(Recording([closing, *work], [_step(0, 0.0, 9 * MS, 2, 1)]))
+    assert alone.biggest_wait == closing
+    assert describe_wait(closing) == "stage 0 waited 6.00 ms for the end of the step from stage 1"
+
+
 def test_a_stage_on_two_ranks_names_the_rank() -> None:
     ev = [Event(WAIT, 1, 0.0, 5 * MS, 2, rank=3, peer=0, what="activation"),
           Event(F, 1, 5 * MS, 6 * MS, 2, rank=3), Event(F, 1, 0.0, 1 * MS, 2, rank=1)]

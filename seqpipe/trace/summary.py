@@ -220,6 +220,18 @@ def describe_wait(event: Event, with_rank: bool = False) -> str:
     return text
 
 
+_CONTROL = frozenset({"start of the step", "end of the step", "loss"})
+"""Messages that open and close a call: waiting on them means waiting for a whole stage to
+finish, which the data waits before it already name."""
+
+
+def _biggest(waits: Sequence[Event]) -> Optional[Event]:
+    """The longest wait for data (activations, gradients, skips); the longest wait of any
+    kind only when no data wait was recorded."""
+    data = [e for e in waits if e.what not in _CONTROL]
+    return max(data or waits, key=lambda e: e.duration, default=None)
+
+
 def _predict(record: StepRecord, events: Sequence[Event]
             ) -> Tuple[Dict[str, List[float]], Optional[Simulation], Optional[str]]:
     """The step's per-stage median costs, their simulation, and why there is none."""
@@ -267,7 +279,7 @@ def _summarize_step(record: StepRecord, events: List[Event]) -> StepSummary:
         num_microbatches=record.num_microbatches, span=hi - lo, stages=stages,
         devices=len(devices), device_busy=sum(devices.values()), costs=costs,
         predicted=sim, note=note,
-        biggest_wait=max(waits, key=lambda e: e.duration, default=None),
+        biggest_wait=_biggest(waits),
         multi_rank_stages=any(len(r) > 1 for r in ranks_per_stage.values()))
 
 
