@@ -32,6 +32,7 @@ from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather_grad
 from seqpipe.schedule import (
     Action,
     AnySchedule,
+    Auto,
     ScheduleError,
     get_schedule,
     placement_of,
@@ -83,6 +84,12 @@ def local_actions(schedule: Union[str, AnySchedule], num_partitions: int,
     ``num_partitions / V`` threads, stage ``s`` on the thread its placement names.
     """
     resolved = get_schedule(schedule)
+    if isinstance(resolved, Auto):
+        raise ValueError(
+            "schedule='auto' is DistributedPipe's (it measures the first step on every rank "
+            "and switches from the next); Pipe.train_step runs the schedule it is given: name "
+            "one, e.g. '1f1b' or 'zb_h1', and compare them with seqpipe.trace.record() or "
+            "seqpipe.schedule.simulate")
     ranks = _ranks_for(resolved, num_partitions)
     if ranks is None:
         raise ValueError(

@@ -325,6 +325,9 @@ def test_unknown_and_malformed_schedules_are_refused() -> None:
     with pytest.raises(ScheduleError):
         pipe.train_step(*data(4), nn.functional.mse_loss, schedule=ForgetsABackward())
     assert all(p.grad is None for p in pipe.parameters())  # refused before running
+    with pytest.raises(ValueError, match="schedule='auto' is DistributedPipe's.*name one"):
+        pipe.train_step(*data(4), nn.functional.mse_loss, schedule="auto")
+    assert all(p.grad is None for p in pipe.parameters())
 
 
 def test_a_user_schedule_runs() -> None:
