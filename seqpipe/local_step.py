@@ -93,22 +93,8 @@ class LocalStep(Tasks):
         return None if self.seeds is None else self.seeds[i * self.num_stages + s]
 
     # -- running on a stage thread ---------------------------------------------------------
-    def ready(self, action: Action) -> bool:
-        """Whether ``action``'s inputs are all in the mailbox."""
-        s, i = action.stage, action.microbatch
-        assert s is not None
-        layout, has = self.pipeline.layout, self.mailbox.has
-        if action.phase is Phase.FORWARD:
-            return has(("act", s, i)) and all(
-                has(("skip", s, i, skip.key)) for skip in layout.skips_popped_by(s))
-        if action.phase is Phase.BACKWARD_WEIGHT or (
-                self.from_loss and s == self.num_stages - 1):
-            return True  # after the same stage's I (or F): earlier on this thread
-        return has(("grad", s, i)) and all(
-            has(("skipgrad", s, i, skip.key)) for skip in layout.skips_stashed_by(s))
-
     def awaits(self, action: Action) -> Optional[Tuple[int, str]]:
-        """What ``action`` still waits for, as (stage, message); asked while tracing."""
+        """What ``action`` still waits for, as (stage, message); ``None`` once it can run."""
         s, i = action.stage, action.microbatch
         assert s is not None
         layout, has = self.pipeline.layout, self.mailbox.has
@@ -118,8 +104,9 @@ class LocalStep(Tasks):
             return next(((skip.stash_partition, "skip tensor")
                          for skip in layout.skips_popped_by(s)
                          if not has(("skip", s, i, skip.key))), None)
-        if self.ready(action):
-            return None
+        if action.phase is Phase.BACKWARD_WEIGHT or (
+                self.from_loss and s == self.num_stages - 1):
+            return None  # after the same stage's I (or F): earlier on this thread
         if not has(("grad", s, i)):
             return s + 1, "gradient"
         return next(((skip.pop_partition, "skip gradient") for skip in layout.skips_stashed_by(s)
@@ -140,4 +127,4 @@ class LocalStep(Tasks):
             with nullcontext() if own == device else device_context(own):
                 self.run(action, None, targets, loss_fn, weights)
 
-        return Program(first, actions, self.ready, execute, device, self.awaits)
+        return Program(first, actions, self.awaits, execute, device)

@@ -171,6 +171,14 @@ class Input:
                                  for t, p in zip(self.batch.tensors, pieces)])
                 for i in range(n)]
 
+    def microbatches(self, chunks: int) -> List[Batch]:
+        """``scatter(chunks)`` for a pipeline call, which needs at least one sample."""
+        batches = self.scatter(chunks)
+        if not batches:
+            raise ValueError("the input batch is empty (size 0 on dim 0); a pipeline needs "
+                             "at least one sample")
+        return batches
+
     def sizes(self, batches: Sequence[Batch]) -> List[int]:
         """The micro-batch sizes of ``batches`` (from ``scatter``)."""
         j = self.whole.index(False)

@@ -61,10 +61,7 @@ class _Call:
     def __init__(self, pipe: "Pipe", given: Input, params: List[nn.Parameter],
                  grad: bool) -> None:
         self.pipe, self.input, self.params, self.grad = pipe, given, params, grad
-        self.microbatches = given.scatter(pipe.chunks)
-        if not self.microbatches:
-            raise ValueError("the input batch is empty (size 0 on dim 0); a pipeline needs "
-                             "at least one sample")
+        self.microbatches = given.microbatches(pipe.chunks)
         self.run: Optional[LocalRun] = None
         self.shape = Batch((), True)  # the output's, once known: its tensors come apart
 

@@ -143,10 +143,7 @@ class TrainStep:
                             f"{type(loss_fn).__name__}")
         self.input = Input.of(input)
         self.batch = self.input.batch
-        self.microbatches = self.input.scatter(pipe.chunks)
-        if not self.microbatches:
-            raise ValueError("the input batch is empty (size 0 on dim 0); a pipeline needs "
-                             "at least one sample")
+        self.microbatches = self.input.microbatches(pipe.chunks)
         m = len(self.microbatches)
         self.targets, self.weights = split_target(target, m)
         self.actions = local_actions(schedule, len(pipe.partitions), m)

@@ -15,12 +15,13 @@ those of ``loss_fn`` on the whole batch, whatever the sizes of the micro-batches
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import (
     Any,
     Callable,
     ContextManager,
     Dict,
+    Iterator,
     List,
     Mapping,
     Optional,
@@ -39,7 +40,7 @@ from seqpipe.sink import GradSink
 from seqpipe.skip.tracker import SkipKey
 from seqpipe.stage import Grads, Received, Sent, Stage, TaskState
 from seqpipe.trace import hooks
-from seqpipe.trace.events import EventKind
+from seqpipe.trace.events import KIND_OF_PHASE, EventKind
 
 __all__ = ["LossFn", "Tasks", "microbatch_loss", "split_target"]
 
@@ -137,6 +138,14 @@ class Tasks:
         """Around each stage computation (``schedule="auto"`` measures them)."""
         return nullcontext()
 
+    @contextmanager
+    def _computing(self, phase: Phase, s: int, i: int,
+                   kind: Optional[EventKind] = None) -> Iterator[None]:
+        """Around one computation of ``phase`` on stage ``s``: its traced span (``kind``,
+        by default the phase's own) and its timing for ``schedule="auto"``."""
+        with hooks.span(kind or KIND_OF_PHASE[phase], s, i), self._timed(phase, s, i):
+            yield
+
     def rng_seed(self, s: int, i: int) -> Optional[int]:
         """The seed of the task's private random streams (``None``: the global ones)."""
         return None
@@ -160,15 +169,15 @@ class Tasks:
                 weights: Sequence[float]) -> None:
         """Run ``F(s, i)``: receive, compute, send on (or take the loss on the last stage)."""
         received = self.receive_forward(s, i, inputs)
-        with hooks.span(EventKind.FORWARD, s, i), self._timed(Phase.FORWARD, s, i):
+        with self._computing(Phase.FORWARD, s, i):
             sent, state = self.stages[s].forward(
                 received, grad=self.grad, checkpoint=self.grad and i < self.checkpoint_stop,
                 seed=self.rng_seed(s, i), sink=self._sink(s, i), split=(s, i) in self.split)
         if s == self.num_stages - 1 and loss_fn is not None and targets is not None:
             assert state is not None
             target, weight = targets[i], weights[i]
-            with state.recording(), hooks.span(EventKind.LOSS, s, i), \
-                    self._timed(Phase.FORWARD, s, i):  # its saved tensors: freed after I
+            # held with the forward's saved tensors: a split backward frees them after I
+            with state.recording(), self._computing(Phase.FORWARD, s, i, EventKind.LOSS):
                 loss = microbatch_loss(i, sent.outputs, target, loss_fn, weight)
             self.losses.append(loss.detach())
             if state.replay is None:
@@ -186,18 +195,16 @@ class Tasks:
         stage = self.stages[s]
         grads, skip_grads = self.output_grads(s, i)
         if split:
-            with hooks.span(EventKind.INPUT_GRAD, s, i), \
-                    self._timed(Phase.BACKWARD_INPUT, s, i):
+            with self._computing(Phase.BACKWARD_INPUT, s, i):
                 received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
         else:
-            with self._handing_over(s, i), hooks.span(EventKind.BACKWARD, s, i), \
-                    self._timed(Phase.BACKWARD, s, i):  # hooks: once
+            with self._handing_over(s, i), self._computing(Phase.BACKWARD, s, i):  # hooks: once
                 received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
                                           sink=self._sink(s, i))
         self.send_backward(s, i, received)
 
     def backward_weight(self, s: int, i: int) -> None:
         """Run ``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
-        with self._handing_over(s, i), hooks.span(EventKind.WEIGHT_GRAD, s, i), \
-                self._timed(Phase.BACKWARD_WEIGHT, s, i):  # hooks: once
+        with self._handing_over(s, i), \
+                self._computing(Phase.BACKWARD_WEIGHT, s, i):  # hooks: once
             self.stages[s].backward_weight(self.states.pop((s, i)), sink=self._sink(s, i))

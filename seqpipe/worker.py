@@ -73,11 +73,14 @@ class Program:
 
     stage: int
     actions: Sequence[Action]
-    ready: Callable[[Action], bool]
+    # what an action still waits for, as (stage, message); ``None`` once it can run
+    awaits: Callable[[Action], Optional[Tuple[int, str]]]
     execute: Callable[[Action], None]
     device: torch.device
-    # what an action still waits for, as (stage, message): asked only while tracing
-    awaits: Optional[Callable[[Action], Optional[Tuple[int, str]]]] = None
+
+    def ready(self, action: Action) -> bool:
+        """Whether ``action``'s inputs are all there."""
+        return self.awaits(action) is None
 
 
 def device_context(device: torch.device) -> Any:
@@ -123,7 +126,7 @@ def _waiting(programs: List[Program], positions: List[int]) -> Any:
     traced span naming the message it waits for."""
     k = next(k for k, p in enumerate(programs) if positions[k] < len(p.actions))
     program, action = programs[k], programs[k].actions[positions[k]]
-    peer, what = (program.awaits(action) if program.awaits is not None else None) or (None, None)
+    peer, what = program.awaits(action) or (None, None)
     stage = program.stage if action.stage is None else action.stage
     return hooks.span(EventKind.WAIT, stage, action.microbatch, peer=peer, what=what)
 

@@ -32,7 +32,7 @@ from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.ties import TiedCopies
 from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
-from seqpipe.microbatch import Batch, TensorOrTensors, gather, scatter
+from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.schedule import Action, AnySchedule, Phase, Placement, validate_schedule
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.stage import Stage
@@ -125,9 +125,7 @@ class CallLifecycle:
             if input is None:
                 raise ValueError("the rank of stage 0 needs the input batch; pass it on "
                                  "that rank (pipe.is_first)")
-            batches = scatter(input, chunks)
-            if not batches:
-                raise ValueError("the input batch is empty (size 0 on dim 0)")
+            batches = Input.of(input).microbatches(chunks)
         else:
             call.expect(opener, [OPENING])
             opening = call.need(opener, Kind.STEP)

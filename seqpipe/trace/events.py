@@ -16,7 +16,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-__all__ = ["Event", "EventKind", "StepRecord", "Recording"]
+from seqpipe.schedule.action import Phase
+
+__all__ = ["KIND_OF_PHASE", "Event", "EventKind", "StepRecord", "Recording"]
 
 
 class EventKind(str, enum.Enum):
@@ -37,6 +39,11 @@ class EventKind(str, enum.Enum):
         """Forward, backward halves, recomputation and loss: the stage's own work."""
         return self in _COMPUTE
 
+
+KIND_OF_PHASE = {Phase.FORWARD: EventKind.FORWARD, Phase.BACKWARD: EventKind.BACKWARD,
+                 Phase.BACKWARD_INPUT: EventKind.INPUT_GRAD,
+                 Phase.BACKWARD_WEIGHT: EventKind.WEIGHT_GRAD}
+"""The event kind that records each schedule phase."""
 
 _COMPUTE = frozenset({EventKind.FORWARD, EventKind.BACKWARD, EventKind.INPUT_GRAD,
                       EventKind.WEIGHT_GRAD, EventKind.RECOMPUTE, EventKind.LOSS})

@@ -16,14 +16,9 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple
 
 from seqpipe.schedule import Action, Phase, Simulation
-from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
+from seqpipe.trace.events import KIND_OF_PHASE, Event, EventKind, Recording, StepRecord
 
 __all__ = ["KIND_OF_PHASE", "from_simulation"]
-
-KIND_OF_PHASE = {Phase.FORWARD: EventKind.FORWARD, Phase.BACKWARD: EventKind.BACKWARD,
-                 Phase.BACKWARD_INPUT: EventKind.INPUT_GRAD,
-                 Phase.BACKWARD_WEIGHT: EventKind.WEIGHT_GRAD}
-"""The event kind that records each schedule phase."""
 
 
 def from_simulation(simulation: Simulation, schedule: Any, *, start: float = 0.0,

@@ -25,8 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from seqpipe.schedule import SCHEDULES, Simulation, get_schedule, placement_of, simulate
 from seqpipe.trace.empty import require_events
-from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
-from seqpipe.trace.simulated import KIND_OF_PHASE
+from seqpipe.trace.events import KIND_OF_PHASE, Event, EventKind, Recording, StepRecord
 
 __all__ = ["StageTime", "StepSummary", "Summary", "describe_wait", "summarize"]
 
