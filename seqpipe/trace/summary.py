@@ -9,31 +9,23 @@ outside the actions). The *bubble* is the share of the devices' time not busy, a
 simulator defines it: ``1 - busy / (devices * span)``, a device being the rank (or, in a
 local ``Pipe``, the device) that holds the stages.
 
-The prediction replays the step's schedule with per-stage median measured costs of each
-action (:func:`seqpipe.schedule.simulate`). The simulator models neither the loss nor
-recomputation nor communication: the loss is counted in the forward of its micro-batch
-and recomputation in its backward (``I`` when split), where they run; communication is
-left out, so a measured step longer than its prediction is time lost to messages,
-waiting and the engine itself.
+The prediction is ``seqpipe.trace.costs``'s: the step's schedule replayed with its
+measured per-stage median costs.
 """
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from seqpipe.schedule import SCHEDULES, Simulation, get_schedule, placement_of, simulate
+from seqpipe.schedule import SCHEDULES, Simulation, get_schedule, placement_of
+from seqpipe.trace.costs import predict
 from seqpipe.trace.empty import require_events
-from seqpipe.trace.events import KIND_OF_PHASE, Event, EventKind, Recording, StepRecord
+from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
 
 __all__ = ["StageTime", "StepSummary", "Summary", "describe_wait", "summarize"]
 
 _COMM = frozenset({EventKind.SEND, EventKind.REDUCE})
-_ATTACHED = {EventKind.LOSS: (EventKind.FORWARD,),
-             EventKind.RECOMPUTE: (EventKind.INPUT_GRAD, EventKind.BACKWARD)}
-"""Events the simulator has no action for, and the actions whose cost they join."""
-_LETTERS = {kind: phase.letter for phase, kind in KIND_OF_PHASE.items()}
 _PLURAL = {"activation": "activations", "gradient": "gradients", "skip tensor": "skip tensors",
            "skip gradient": "skip gradients", "start of the step": "the start of the step",
            "end of the step": "the end of the step", "loss": "the loss"}
@@ -231,22 +223,6 @@ def _biggest(waits: Sequence[Event]) -> Optional[Event]:
     return max(data or waits, key=lambda e: e.duration, default=None)
 
 
-def _predict(record: StepRecord, events: Sequence[Event]
-            ) -> Tuple[Dict[str, List[float]], Optional[Simulation], Optional[str]]:
-    """The step's per-stage median costs, their simulation, and why there is none."""
-    costs, note = _median_costs(events, record.num_stages)
-    if note is None and record.num_microbatches < 1:
-        note = f"its step record counts {record.num_microbatches} micro-batches"
-    if note is not None:
-        return costs, None, note
-    split = "I" in costs
-    kwargs = {"input_cost": costs["I"], "weight_cost": costs["W"]} if split \
-        else {"backward_cost": costs["B"]}
-    sim = simulate(record.schedule, record.num_ranks, record.num_microbatches,
-                   forward_cost=costs["F"], **kwargs)
-    return costs, sim, None
-
-
 def _events_by_step(recording: Recording) -> Dict[int, List[Event]]:
     known = {r.index for r in recording.steps}
     by_step: Dict[int, List[Event]] = defaultdict(list)
@@ -268,7 +244,7 @@ def _summarize_step(record: StepRecord, events: List[Event]) -> StepSummary:
     stages = [StageTime(rank, stage, *_account(tracks[(rank, stage)], lo, hi))
               for rank, stage in sorted(tracks)]
     devices = _device_busy(record, tracks, lo, hi)
-    costs, sim, note = _predict(record, events)
+    costs, sim, note = predict(record, events)
     waits = [e for e in events if e.kind is EventKind.WAIT]
     ranks_per_stage = defaultdict(set)
     for rank, stage in tracks:
@@ -320,54 +296,6 @@ def _device_busy(record: StepRecord, tracks: Dict[Tuple[int, int], List[Event]],
         sim_rank = placement.rank_of(stage) if stage < placement.num_stages else stage
         grouped[(rank, sim_rank)] += [e for e in events if e.kind.is_compute]
     return {device: _account(events, lo, hi)[0] for device, events in grouped.items()}
-
-
-def _median_costs(events: Sequence[Event], num_stages: int
-                  ) -> Tuple[Dict[str, List[float]], Optional[str]]:
-    """Per action letter, each stage's median cost; a reason if one cannot be measured."""
-    samples: Dict[Tuple[EventKind, int], List[float]] = defaultdict(list)
-    for e, cost in _action_costs(events):
-        samples[(e.kind, e.stage)].append(cost)
-    has = {kind for kind, _ in samples}
-    split = bool(has & {EventKind.INPUT_GRAD, EventKind.WEIGHT_GRAD})
-    forward_only = not has & {EventKind.BACKWARD, EventKind.INPUT_GRAD,
-                              EventKind.WEIGHT_GRAD}
-    costs: Dict[str, List[float]] = defaultdict(list)
-    for stage in range(num_stages):
-        med = {_LETTERS[kind]: statistics.median(samples[(kind, stage)])
-               for kind in _LETTERS if samples.get((kind, stage))}
-        if "F" not in med:
-            return dict(costs), f"stage {stage} has no measured forward"
-        costs["F"].append(med["F"])
-        if forward_only:
-            costs["B"].append(0.0)
-        elif split:
-            halves = (med["I"], med["W"]) if "I" in med and "W" in med \
-                else (med["B"] / 2, med["B"] / 2) if "B" in med else None
-            if halves is None:
-                return dict(costs), f"stage {stage} has no measured backward"
-            costs["I"].append(halves[0])
-            costs["W"].append(halves[1])
-        elif "B" in med:
-            costs["B"].append(med["B"])
-        else:
-            return dict(costs), f"stage {stage} has no measured backward"
-    return dict(costs), None
-
-
-def _action_costs(events: Sequence[Event]) -> Iterable[Tuple[Event, float]]:
-    """Every schedule action with its cost: its duration plus the loss or recomputation
-    of its (stage, micro-batch) that ran outside it."""
-    actions = {(e.kind, e.stage, e.microbatch, e.rank): e for e in events if e.kind in _LETTERS}
-    extra: Dict[Event, float] = defaultdict(float)
-    for e in events:
-        for kind in _ATTACHED.get(e.kind, ()):
-            owner = actions.get((kind, e.stage, e.microbatch, e.rank))
-            if owner is not None:
-                overlap = max(0.0, min(e.end, owner.end) - max(e.start, owner.start))
-                extra[owner] += e.duration - overlap
-                break
-    return [(e, e.duration + extra[e]) for e in actions.values()]
 
 
 def _schedule_name(schedule: Any) -> str:
