@@ -21,6 +21,7 @@ from seqpipe.partition import (
 from seqpipe.pipe_step import TrainStep, input_grad
 from seqpipe.pipeline import LocalPipeline, LocalRun
 from seqpipe.schedule import AnySchedule
+from seqpipe.sink import GradSink
 from seqpipe.skip.layout import inspect_skip_layout
 from seqpipe.stage import Stage
 from seqpipe.tasks import LossFn
@@ -58,9 +59,9 @@ class _PipeFunction(torch.autograd.Function):
 class _Call:
     """One call of a Pipe: micro-batches in, gathered output out, and its backward."""
 
-    def __init__(self, pipe: "Pipe", given: Input, params: List[nn.Parameter],
-                 grad: bool) -> None:
-        self.pipe, self.input, self.params, self.grad = pipe, given, params, grad
+    def __init__(self, pipe: "Pipe", given: Input, sink: Optional[GradSink], grad: bool) -> None:
+        self.pipe, self.input, self.sink, self.grad = pipe, given, sink, grad
+        self.params: List[nn.Parameter] = sink.params if sink is not None else []
         self.microbatches = given.microbatches(pipe.chunks)
         self.run: Optional[LocalRun] = None
         self.shape = Batch((), True)  # the output's, once known: its tensors come apart
@@ -69,7 +70,7 @@ class _Call:
         mode = self.pipe.checkpoint if self.pipe.training and self.grad else "never"
         stop = checkpoint_stop(mode, len(self.microbatches))
         self.run = self.pipe._pipeline.forward(self.microbatches, grad=self.grad,
-                                               checkpoint_stop=stop)
+                                               checkpoint_stop=stop, sink=self.sink)
         outputs = [b for b in self.run.outputs if b is not None]
         self.run.outputs = []
         gathered = Batch.of(gather(outputs))  # a constant: a list, a value per micro-batch
@@ -232,12 +233,12 @@ class Pipe(nn.Module):
             return step.run(self)
         given = Input.of(input)
         batch = given.batch
-        params = [p for p in self.parameters() if p.requires_grad]
-        grad = torch.is_grad_enabled() and (
-            bool(params) or any(t.requires_grad for t in batch.tensors))
-        call = _Call(self, given, params, grad)
+        sink = self._pipeline.open_sink() if torch.is_grad_enabled() else None
+        grad = sink is not None and (
+            bool(sink.params) or any(t.requires_grad for t in batch.tensors))
+        call = _Call(self, given, sink, grad)
         if grad:
-            outputs = _PipeFunction.apply(call, *batch.tensors, *params)
+            outputs = _PipeFunction.apply(call, *batch.tensors, *call.params)
         else:
             outputs = call.forward()
         return call.shape.like(outputs).value

@@ -10,11 +10,13 @@ the loss function and runs the whole step, forwards and backwards in the schedul
 micro-batch losses weighted by micro-batch size, so for a mean-reduced ``loss_fn`` it and
 the gradients are those of ``loss_fn(model(input), target)``.
 
-The gradients reach the parameters as they do after ``forward`` + ``backward``: the stages
-accumulate into one ``GradSink``, and the sums are handed to autograd once, through an
-``autograd.Function`` whose inputs are the mini-batch's tensors and the trainable
-parameters (``_Handoff``). Hooks on the parameters therefore fire once per step, with the
-whole gradient. The step runs while that Function's output is made, as a forward does;
+The gradients reach the parameters as they do after ``forward`` + ``backward``. Where a
+parameter has hooks (or DDP runs the step), the stages accumulate into one ``AliasSink``,
+and the sums are handed to autograd once, through an ``autograd.Function`` whose inputs
+are the mini-batch's tensors and the trainable parameters (``_Handoff``); the hooks
+therefore fire once per step, with the whole gradient. Otherwise (a ``DirectSink``) the
+micro-batches accumulate straight into ``.grad`` and there is nothing to hand over
+(``seqpipe/sink.py``). The step runs while that Function's output is made, as a forward does;
 under ``DistributedDataParallel``, ``train_step(..., ddp=ddp)`` makes it inside DDP's own
 forward (which prepares DDP's reducer), and the hand-off's backward is an ordinary backward
 of DDP's output: the reducer averages the gradients once per mini-batch, as it does for
@@ -164,7 +166,7 @@ class TrainStep:
         assert run.sink is not None
         self._sums = dict(run.sink.take())
         self._input_grads = run.input_grads
-        self.params = [p for p in pipe.parameters() if p.requires_grad]
+        self.params = run.sink.params
         return _Handoff.apply(self, *self.batch.tensors, *self.params)
 
     def take_grads(self) -> List[Optional[Tensor]]:

@@ -22,7 +22,7 @@ from seqpipe.local_step import LocalStep
 from seqpipe.microbatch import Batch
 from seqpipe.rng import draw_seeds, needs_private_rng
 from seqpipe.schedule import Action, FillDrain, Phase, Schedule, backward_phase, forward_phase
-from seqpipe.sink import GradSink
+from seqpipe.sink import GradSink, open_sink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
 from seqpipe.stage import Grads, Stage, TaskState, moved, wants_grad
@@ -73,10 +73,13 @@ class LocalPipeline:
                 for a in self.schedule.actions(stage, len(self.stages), m)]
 
     # -- forward ---------------------------------------------------------------------
-    def forward(self, batches: Sequence[Batch], *, grad: bool, checkpoint_stop: int) -> LocalRun:
-        """Run every micro-batch through every stage; outputs land in ``run.outputs``."""
+    def forward(self, batches: Sequence[Batch], *, grad: bool, checkpoint_stop: int,
+                sink: Optional[GradSink] = None) -> LocalRun:
+        """Run every micro-batch through every stage; outputs land in ``run.outputs``.
+        With ``grad``, the parameters' gradients will add up in ``sink`` (by default, a new
+        ``open_sink``)."""
         m, k = len(batches), len(self.stages)
-        run = self._open(m, grad)
+        run = self._open(m, grad, sink)
         run.trace_step = hooks.begin_step(self.schedule, k, k, m, backward=grad)
         step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m))
         self._put_inputs(step, batches)
@@ -86,10 +89,14 @@ class LocalPipeline:
             hooks.end_step(run.trace_step)
         return run
 
-    def _open(self, m: int, grad: bool) -> LocalRun:
+    def open_sink(self) -> GradSink:
+        """Where one call's parameter gradients add up (``seqpipe.sink.open_sink``)."""
+        return open_sink([stage.partition for stage in self.stages])
+
+    def _open(self, m: int, grad: bool, sink: Optional[GradSink] = None) -> LocalRun:
         run = LocalRun(m, grad, outputs=[None] * m)
         if grad:
-            run.sink = GradSink([stage.partition for stage in self.stages])
+            run.sink = sink if sink is not None else self.open_sink()
         return run
 
     def _seeds(self, m: int) -> Optional[List[int]]:
@@ -150,10 +157,16 @@ class LocalPipeline:
         programs = [step.program(backward_phase(self._actions(s, m))) for s in range(k)]
         inline = [p for p in programs if p.device.type != "cpu"]
         threaded = [[p] for p in programs if p.device.type == "cpu"]
-        run_groups([inline, *threaded] if inline else threaded, step.mailbox,
-                   ThreadState(concurrent=len(threaded), devices=self.devices))
+        sink = run.sink
+        if sink is not None:
+            sink.hold()  # the sums are handed to autograd, not added to .grad here
+        try:
+            run_groups([inline, *threaded] if inline else threaded, step.mailbox,
+                       ThreadState(concurrent=len(threaded), devices=self.devices))
+        finally:  # .grad as it was before the call, also after a failure
+            sums = dict(sink.take()) if sink is not None else {}
         hooks.end_step(run.trace_step)
-        return dict(run.sink.take()) if run.sink is not None else {}
+        return sums
 
     def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,
                        received: Grads) -> None:
@@ -177,9 +190,10 @@ class LocalPipeline:
         per rank, or several under interleaved and V-shaped schedules).
 
         Returns the call (its ``sink`` holds the parameters' gradients, summed over
-        micro-batches; ``input_grads`` the inputs') and the mini-batch loss: the sum of
-        the micro-batch losses, each times its ``weights`` entry. ``schedule``: what the
-        actions came from, for a trace to name and replay.
+        micro-batches, unless they went to ``.grad`` directly; ``input_grads`` the
+        inputs') and the mini-batch loss: the sum of the micro-batch losses, each times its
+        ``weights`` entry. ``schedule``: what the actions came from, for a trace to name
+        and replay.
         """
         m = len(batches)
         run = self._open(m, True)

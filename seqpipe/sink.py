@@ -1,24 +1,38 @@
-"""Where a local pipeline's stage adds up its parameters' gradients over micro-batches.
+"""Where a stage adds up its parameters' gradients over the micro-batches of one step.
 
-``Pipe`` must hand autograd each parameter's gradient once per backward, summed over the
-micro-batches, so that hooks on the parameters (``DistributedDataParallel``'s reducer, a
-user's ``register_hook``) fire once, as for the unpipelined model. A stage therefore
-cannot backpropagate into ``.grad``; and asking autograd for each micro-batch's gradients
-(``torch.autograd.grad``) before adding them up keeps a whole second set of the stage's
-gradients alive at every micro-batch.
+A pipeline step must look to autograd like one backward of the unpipelined model: each
+parameter's hooks (a user's ``register_hook`` or ``register_post_accumulate_grad_hook``,
+an "optimizer step in backward" recipe, ``DistributedDataParallel``'s reducer) fire once,
+with the whole gradient, not once per micro-batch with a share of it. Two ways to get
+there, both a ``GradSink`` (what the engines and stages hold), chosen per call by
+``open_sink``:
 
-A ``GradSink`` avoids both. For one call it gives the pipeline's trainable parameters
-leaf aliases (same storage and version counter, no copy); autograd records the aliases
-instead of the parameters, so every micro-batch's backward accumulates into the aliases'
-``.grad`` in place, layer by layer, as plain autograd accumulates into ``.grad``, and no
-hook of the real parameters fires. ``take`` then hands the sums over, once. A parameter
-used by two partitions (tied weights, a shared module) has one alias, into which both
-stages accumulate.
+* ``DirectSink`` (no hooks to keep, the usual case): the layers run exactly as in the
+  unpipelined model, recording the parameters themselves, and every micro-batch's
+  backward accumulates into ``.grad`` in place, as plain autograd does. Nothing runs per
+  torch operation. For the local engine's autograd Function (``Pipe.forward``), ``hold``
+  first puts each ``.grad`` aside, so that ``take`` can hand the call's sums to autograd
+  (which accumulates them once, or returns them from ``torch.autograd.grad`` without
+  touching ``.grad``) and put the old values back.
+* ``AliasSink`` (a parameter has a hook, or a ``DistributedDataParallel`` forward is
+  running): every micro-batch's backward must miss the real parameters. For one call the
+  trainable parameters get leaf aliases (same storage and version counter, no copy);
+  autograd records the aliases instead of the parameters, so the backward accumulates into
+  the aliases' ``.grad`` in place, layer by layer, and no hook of the real parameters
+  fires. ``take`` then hands the sums over, once. A parameter used by two partitions (tied
+  weights, a shared module) has one alias, into which both stages accumulate.
 
-The layers never see the aliases. Their modules keep their own parameters (same objects,
-type, attributes); while a partition runs (its forward, and a checkpoint's recomputation)
-a thread-local ``TorchFunctionMode`` substitutes the alias wherever one of the
-pipeline's parameters is passed to a torch function or ``Tensor`` method, at the top
+Both keep one set of gradients, as the unpipelined model does (asking
+``torch.autograd.grad`` for each micro-batch's gradients and adding them up would hold a
+second set at every micro-batch). A hook registered on a parameter's gradient accumulator
+node instead of on the parameter is not visible from Python: under a ``DirectSink`` it
+would fire once per micro-batch. ``DistributedDataParallel``'s reducer hooks there; its
+running forward is what ``needs_aliases`` looks for.
+
+``AliasSink``'s layers never see the aliases. Their modules keep their own parameters
+(same objects, type, attributes); while a partition runs (its forward, and a checkpoint's
+recomputation) a thread-local ``TorchFunctionMode`` substitutes the alias wherever one of
+the pipeline's parameters is passed to a torch function or ``Tensor`` method, at the top
 level of the arguments, as a keyword, or inside a list or tuple (``torch.cat``, an RNN's
 flat weights). A parameter of another partition (reached through a plain attribute)
 joins the partition's leaves when first used, so its backward reaches that alias too.
@@ -34,10 +48,12 @@ Under ``torch.compile`` the substitution is traced into the compiled graph; ther
 tells parameters apart by type rather than by looking up each tensor's ``id`` (which would
 make the compiled code guard on every activation's identity and recompile for each
 micro-batch). Outside compiled code, it costs one Python call per torch operation while a
-partition runs (the backward is not affected): docs/pipe.md gives the measured figures.
+partition runs (the backward is not affected), which is why it is kept for the calls that
+need it: docs/pipe.md gives the measured figures.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -45,7 +61,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["GradSink"]
+__all__ = ["GradSink", "AliasSink", "DirectSink", "open_sink", "needs_aliases", "step_aware",
+           "trainable"]
 
 # What stays with the real parameter: its autograd metadata and identity, not its values.
 _KEEP = frozenset({
@@ -164,19 +181,52 @@ def _alias(param: nn.Parameter) -> Tensor:
 
 
 class GradSink:
+    """Where the parameter gradients of one pipeline call add up (``open_sink`` picks one)."""
+
+    params: List[nn.Parameter]  # the trainable parameters, each once, in model order
+
+    def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
+        """Run ``partition`` (number ``stage``) on ``args``."""
+        raise NotImplementedError
+
+    def weights(self, stage: int) -> List[Tensor]:
+        """What partition ``stage``'s backward accumulates the parameters' gradients into
+        (its ``inputs=``)."""
+        raise NotImplementedError
+
+    def hold(self) -> None:
+        """Before the call's first backward, where the sums are to be handed to autograd
+        (the local engine's autograd Function)."""
+        raise NotImplementedError
+
+    def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
+        """Each parameter with its summed gradient still to be handed over, once."""
+        raise NotImplementedError
+
+
+Trainable = List[List[nn.Parameter]]  # per partition, its parameters that require grad
+
+
+def trainable(partitions: Sequence[nn.Module]) -> Trainable:
+    """Per partition, its parameters that require grad (a parameter shared by two listed
+    under both)."""
+    return [[p for p in partition.parameters() if p.requires_grad] for partition in partitions]
+
+
+class AliasSink(GradSink):
     """Leaf aliases of the trainable parameters of ``partitions``, for one pipeline call."""
 
-    def __init__(self, partitions: Sequence[nn.Module]) -> None:
-        self.params: List[nn.Parameter] = []
+    def __init__(self, partitions: Sequence[nn.Module], own: Optional[Trainable] = None) -> None:
+        self.params = []
         self._aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias
         self._modes: List[_Substitute] = []
+        self._own = trainable(partitions) if own is None else own
         self._leaves: List[List[Tensor]] = []
         by_alias: Dict[int, nn.Parameter] = {}  # id(alias) -> parameter
-        for partition in partitions:
-            own = [p for p in partition.parameters() if p.requires_grad]  # tied ones once
-            leaves = [self._alias_of(p) for p in own]
-            by_alias.update((id(a), p) for p, a in zip(own, leaves))
-            self._modes.append(_Substitute(self._aliases, by_alias, own, leaves))
+        for mine in self._own:
+            leaves = [self._alias_of(p) for p in mine]
+            by_alias.update((id(a), p) for p, a in zip(mine, leaves))
+            self._modes.append(_Substitute(self._aliases, by_alias, mine, leaves))
             self._leaves.append(leaves)
 
     def _alias_of(self, param: nn.Parameter) -> Tensor:
@@ -204,6 +254,15 @@ class GradSink:
         other partitions' parameters that its layers used (once its forward ran)."""
         return self._leaves[stage]
 
+    def weights(self, stage: int) -> List[Tensor]:
+        """``leaves``, and the real parameters too, since one may reach autograd without
+        passing through a torch function (a custom ``autograd.Function.apply``), where no
+        alias stands in for it."""
+        return [*self._leaves[stage], *self._own[stage]]
+
+    def hold(self) -> None:
+        """Nothing to do: the sums never reach ``.grad``."""
+
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """Each parameter with its summed gradient, letting go of it here (so autograd can
         adopt the tensor as ``.grad`` instead of copying it)."""
@@ -214,3 +273,93 @@ class GradSink:
                 pairs.append((param, alias.grad))
                 alias.grad = None
         return pairs
+
+
+class DirectSink(GradSink):
+    """The trainable parameters of ``partitions`` recorded as themselves, for one call: their
+    gradients accumulate in ``.grad`` (see the module docstring)."""
+
+    def __init__(self, partitions: Sequence[nn.Module], own: Optional[Trainable] = None) -> None:
+        own = trainable(partitions) if own is None else own
+        self.params = list({id(p): p for mine in own for p in mine}.values())
+        # A layer may use another partition's parameter (a plain attribute): each stage's
+        # backward reaches every parameter of the pipeline it used.
+        ids = [{id(p) for p in mine} for mine in own]
+        self._weights = [[*mine, *(p for p in self.params if id(p) not in seen)]
+                         for mine, seen in zip(own, ids)]
+        self._before: Optional[List[Tuple[nn.Parameter, Optional[Tensor]]]] = None
+
+    def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
+        """Run ``partition`` on ``args``, as the unpipelined model would."""
+        return partition(*args)
+
+    def weights(self, stage: int) -> List[Tensor]:
+        """Partition ``stage``'s parameters, then the other partitions' (a layer may use
+        one through a plain attribute)."""
+        return self._weights[stage]
+
+    def hold(self) -> None:
+        """From now until ``take``, ``.grad`` holds this call's sums only: the values before
+        are put aside (the local engine's autograd Function hands the sums to autograd)."""
+        self._before = [(p, p.grad) for p in self.params]
+        for param in self.params:
+            param.grad = None
+
+    def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
+        """After ``hold``: each parameter with its summed gradient, and ``.grad`` as it was
+        before ``hold``. Without it: nothing (the sums are in ``.grad`` already)."""
+        before, self._before = self._before, None
+        pairs = []
+        for param, grad in before or ():
+            if param.grad is not None:
+                pairs.append((param, param.grad))
+            param.grad = grad
+        return pairs
+
+
+# The attribute that marks a hook as ``step_aware``.
+_STEP_AWARE = "_seqpipe_step_aware"
+
+
+def step_aware(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a parameter hook that knows when a step's gradient is final (a data-parallel
+    reducer armed for the stage's last backward) and may therefore fire once per
+    micro-batch: it does not make ``needs_aliases`` true."""
+    setattr(hook, _STEP_AWARE, True)
+    return hook
+
+
+def _has_hooks(param: Tensor) -> bool:
+    for hooks in (param._backward_hooks, param._post_accumulate_grad_hooks):
+        if hooks and not all(getattr(h, _STEP_AWARE, False) for h in hooks.values()):
+            return True
+    return False
+
+
+def _ddp_forward_running() -> bool:
+    """Whether a ``DistributedDataParallel`` forward is running (its reducer then expects
+    each parameter's gradient once, through hooks no Python attribute shows). Looked up,
+    not imported: a process that never imported DDP runs none."""
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    cls = getattr(ddp, "DistributedDataParallel", None)
+    return getattr(cls, "_active_ddp_module", None) is not None
+
+
+def needs_aliases(params: Iterable[Tensor]) -> bool:
+    """Whether a step over ``params`` must keep its micro-batches' gradients away from the
+    parameters (an ``AliasSink``): some parameter has a hook (``register_hook``,
+    ``register_post_accumulate_grad_hook``) that is not ``step_aware``, or a
+    ``DistributedDataParallel`` forward is running."""
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass's override sees no lookups
+        if any(_has_hooks(p) for p in params):
+            return True
+    return _ddp_forward_running()
+
+
+def open_sink(partitions: Sequence[nn.Module]) -> GradSink:
+    """The sink for one call over ``partitions``: an ``AliasSink`` where ``needs_aliases``
+    says so, else a ``DirectSink`` (no cost per torch operation)."""
+    own = trainable(partitions)
+    if needs_aliases(p for mine in own for p in mine):
+        return AliasSink(partitions, own)
+    return DirectSink(partitions, own)

@@ -299,11 +299,9 @@ class Stage:
         return self._received_grads(state)
 
     def _weights(self, sink: Optional[GradSink]) -> List[Tensor]:
-        """What the parameters' gradients accumulate into: ``sink``'s aliases, and the real
-        parameters too, since one may reach autograd without passing through a torch
-        function (a custom ``autograd.Function.apply``), where no alias stands in for it."""
-        leaves = list(sink.leaves(self.index)) if sink is not None else []
-        return leaves + self.parameters()
+        """What the parameters' gradients accumulate into: what ``sink`` says, else the
+        parameters themselves."""
+        return sink.weights(self.index) if sink is not None else self.parameters()
 
     def backward_input(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
                        skip_grads: Dict[SkipKey, Optional[Tensor]]) -> Grads:

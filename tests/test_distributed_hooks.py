@@ -12,9 +12,10 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from distributed_harness import run_workers
-from seqpipe.distributed import DistributedPipe
+from seqpipe.distributed import DistributedPipe, mesh_groups
 
 MODES = [("1f1b", "except_last"), ("1f1b", "always"), ("fill_drain", "never"),
          ("fill_drain", "always"), ("zb_h1", "always"), ("zb_h2", "never"),
@@ -119,3 +120,65 @@ def _optimizer_in_backward(rank: int, world: int, schedule: str) -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "fill_drain", "zb_h1"])
 def test_an_optimizer_stepped_in_backward_sees_full_gradients(schedule: str) -> None:
     run_workers(_optimizer_in_backward, 2, schedule, timeout=120)
+
+
+# -- without hooks: no mode between the layers and torch ------------------------------------
+class _Probe(nn.Module):
+    """Records how many TorchFunctionModes are active each time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depths: List[int] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.depths.append(torch._C._len_torch_function_stack())
+        return x
+
+
+def _probed() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), _Probe(), nn.Tanh(), nn.Linear(8, 8), _Probe(),
+                         nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _depths(pipe: DistributedPipe) -> set:
+    seen = {d for m in pipe.partition.modules() if isinstance(m, _Probe) for d in m.depths}
+    for m in pipe.partition.modules():
+        if isinstance(m, _Probe):
+            m.depths.clear()
+    return seen
+
+
+def _no_mode_without_hooks(rank: int, world: int) -> None:
+    x, y = _batch(0)
+    for schedule, checkpoint in [("1f1b", "except_last"), ("zb_h1", "always")]:
+        reference = _probed()
+        _reference_backward(reference, x, y)
+        expected = dict(reference.named_parameters())
+        pipe = DistributedPipe(_probed(), chunks=4, balance=[2, 5], schedule=schedule,
+                               checkpoint=checkpoint)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        nn.functional.mse_loss)
+        assert _depths(pipe) == {0}, schedule  # every micro-batch straight into .grad
+        for name, param in pipe.named_parameters():
+            assert torch.allclose(param.grad, expected[name].grad, atol=1e-12), (schedule, name)
+        next(pipe.parameters()).register_post_accumulate_grad_hook(lambda p: None)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        nn.functional.mse_loss)
+        assert 1 in _depths(pipe), schedule  # a hook: the aliases are back
+    # Two replicas of one stage: the data-parallel reducer's hooks wait for the last
+    # backward themselves, so they need no aliases either.
+    pp, dp = mesh_groups(init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp")))
+    reference = _probed()
+    nn.functional.mse_loss(reference(x[:6]), y[:6]).backward()
+    expected = dict(reference.named_parameters())
+    pipe = DistributedPipe(_probed(), chunks=2, group=pp, data_parallel_group=dp)
+    half = slice(3 * rank, 3 * rank + 3)
+    pipe.train_step(x[half], y[half], nn.functional.mse_loss)
+    assert _depths(pipe) == {0}
+    for name, param in pipe.named_parameters():  # the replicas' mean: the whole batch's
+        assert torch.allclose(param.grad, expected[name].grad, atol=1e-12), name
+
+
+def test_without_hooks_a_stage_runs_no_mode_and_gets_the_plain_gradients() -> None:
+    run_workers(_no_mode_without_hooks, 2, timeout=120)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe import Pipe
-from seqpipe.sink import GradSink
+from seqpipe.sink import AliasSink
 
 MODES = ("always", "except_last", "never")
 
@@ -134,7 +134,7 @@ def test_a_module_shared_by_layers_of_two_partitions(mode: str) -> None:
 
 def test_the_sink_hands_each_sum_over_once() -> None:
     layer = nn.Linear(4, 4)
-    sink = GradSink([nn.Sequential(layer)])
+    sink = AliasSink([nn.Sequential(layer)])
     for _ in range(3):  # three micro-batches accumulate in place into one alias
         out = sink.call(0, layer, torch.ones(2, 4))
         torch.autograd.backward([out.sum()], inputs=sink.leaves(0))
@@ -403,7 +403,7 @@ def test_a_compiled_layer_using_another_partitions_parameter() -> None:
     first = nn.Linear(4, 4)
     side = _Side(first.weight)
     compiled = torch.compile(side, backend="eager")
-    sink = GradSink([nn.Sequential(first), nn.Sequential(side)])
+    sink = AliasSink([nn.Sequential(first), nn.Sequential(side)])
     x = torch.randn(3, 4)
     for _ in range(2):  # two micro-batches into one alias
         out = sink.call(1, compiled, x)

@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from seqpipe.sink import step_aware
+
 __all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -172,7 +174,7 @@ def _weak_hook(reducer: "GradientReducer") -> Callable[[Tensor], None]:
         live = ref()
         if live is not None:
             live._on_grad(param)
-    return hook
+    return step_aware(hook)  # does nothing until armed: may fire once per micro-batch
 
 
 def check_data_parallel_group(stage: int, fingerprint: int, group: dist.ProcessGroup,
