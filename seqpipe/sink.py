@@ -302,8 +302,9 @@ class DirectSink(GradSink):
         """From now until ``take``, ``.grad`` holds this call's sums only: the values before
         are put aside (the local engine's autograd Function hands the sums to autograd)."""
         self._before = [(p, p.grad) for p in self.params]
-        for param in self.params:
-            param.grad = None
+        for param, grad in self._before:
+            if grad is not None:
+                param.grad = None
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """After ``hold``: each parameter with its summed gradient, and ``.grad`` as it was
@@ -311,9 +312,12 @@ class DirectSink(GradSink):
         before, self._before = self._before, None
         pairs = []
         for param, grad in before or ():
-            if param.grad is not None:
-                pairs.append((param, param.grad))
-            param.grad = grad
+            summed = param.grad
+            if summed is not None:
+                pairs.append((param, summed))
+                param.grad = grad
+            elif grad is not None:
+                param.grad = grad
         return pairs
 
 
