@@ -16,7 +16,8 @@ call per torch operation of the forward. This script times, interleaved in one p
 * ``pipe``, ``pipe+hook``: the whole engine, a one-partition ``Pipe`` with ``chunks=1``
   (forward, ``loss.backward()``), without and with the hooks: the sink plus the engine's
   fixed cost per call (``overhead.py`` measures that alone, on a model big enough to hide
-  it).
+  it); ``pipe/aliases``: the same ``Pipe`` made to use an ``AliasSink`` without hooks,
+  as every call did before the ``DirectSink``.
 
 The sums are set as ``.grad`` at the end (in a ``Pipe`` the outer backward accumulates
 them, as it accumulates the plain model's gradients), so ``sink+hook`` skips the 48 no-op
@@ -87,6 +88,13 @@ def piped(model: nn.Module) -> Pipe:
     return Pipe(model, chunks=1, balance=[len(model)], devices=["cpu"])
 
 
+def aliased(pipe: Pipe) -> Pipe:
+    """``pipe``, its calls given an ``AliasSink`` even without hooks (the old way)."""
+    partitions = list(pipe.partitions)
+    pipe._pipeline.open_sink = lambda: AliasSink(partitions)  # type: ignore[method-assign]
+    return pipe
+
+
 def hooked(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: None)
@@ -112,14 +120,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         "sink+hook": sink_step(hooked(clone(model)), x, open_sink),
         "pipe": plain_step(piped(clone(model)), x),
         "pipe+hook": plain_step(hooked(piped(clone(model))), x),
+        "pipe/aliases": plain_step(aliased(piped(clone(model))), x),
     }
     samples = interleave(variants, rounds=args.rounds, warmup=args.warmup)
     print(f"# {args.model}, {args.rounds} interleaved rounds, one intra-op thread")
     for name, s in samples.items():
-        print(f"{name:<10} median {s.median * 1e3:8.2f} ms  "
+        print(f"{name:<12} median {s.median * 1e3:8.2f} ms  "
               f"cpu {statistics.median(s.cpu) * 1e3:8.2f} ms")
     for a, b in (("direct", "plain"), ("aliases", "plain"), ("sink+hook", "plain+hook"),
-                 ("pipe", "plain"), ("pipe+hook", "plain+hook")):
+                 ("pipe", "plain"), ("pipe+hook", "plain+hook"), ("pipe/aliases", "plain"),
+                 ("pipe", "pipe/aliases")):
         cpu = paired_ratio(samples[a], samples[b], cpu=True)
         wall = paired_ratio(samples[a], samples[b])
         print(f"{a} / {b}: CPU time {cpu:.4f}, wall {wall:.4f}")
