@@ -6,9 +6,11 @@ once. 1F1B and the zero-bubble schedules start a micro-batch's backward as soon 
 forward ends, which needs its loss there and then; so ``train_step`` takes the target and
 the loss function and runs the whole step, forwards and backwards in the schedule's order
 (``LocalPipeline.train_step``, each action run by ``seqpipe.tasks`` as on a rank of
-``DistributedPipe``). The mini-batch loss is that of ``DistributedPipe.train_step``: the
-micro-batch losses weighted by micro-batch size, so for a mean-reduced ``loss_fn`` it and
-the gradients are those of ``loss_fn(model(input), target)``.
+``DistributedPipe``). The mini-batch loss is that of ``DistributedPipe.train_step``
+(``seqpipe.loss_weights``): the micro-batch losses weighted by micro-batch size, so for a
+mean-reduced ``loss_fn`` it and the gradients are those of ``loss_fn(model(input),
+target)``; or, with ``count_fn``, the summed losses over the mini-batch's count (summed
+over the ``DistributedDataParallel`` replicas under ``ddp``).
 
 The gradients reach the parameters as they do after ``forward`` + ``backward``: the stages
 accumulate into one ``GradSink``, and the sums are handed to autograd once, through an
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe.checkpoint import checkpoint_stop
+from seqpipe.loss_weights import CountFn, Replicas, loss_weights
 from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather_grad
 from seqpipe.schedule import (
     Action,
@@ -39,12 +42,12 @@ from seqpipe.schedule import (
     validate_schedule,
 )
 from seqpipe.schedule.protocol import staged_orders
-from seqpipe.tasks import LossFn, split_target
+from seqpipe.tasks import LossFn
 
 if TYPE_CHECKING:
     from seqpipe.pipe import Pipe
 
-__all__ = ["TrainStep", "input_grad", "local_actions"]
+__all__ = ["TrainStep", "ddp_replicas", "input_grad", "local_actions"]
 
 ONE_STAGE_SCHEDULES = ("fill_drain", "gpipe", "1f1b", "zb_h1", "zb_h2")
 
@@ -114,6 +117,14 @@ def input_grad(given: Input, j: int, microbatches: Sequence[Batch],
                        tensor.device)
 
 
+def ddp_replicas(ddp: nn.Module, device: torch.device) -> Replicas:
+    """The replicas of a ``DistributedDataParallel`` (its process group), for summing a
+    step's count over them; read through the group itself, so that the local engine
+    does not import ``torch.distributed``."""
+    group = ddp.process_group
+    return Replicas(group.size(), lambda total: group.allreduce([total]).wait(), device)
+
+
 class _Handoff(torch.autograd.Function):
     """Hands a finished step's gradients to autograd: one accumulation per parameter."""
 
@@ -133,7 +144,8 @@ class TrainStep:
     """One ``Pipe.train_step``: the checked arguments, then the step and its results."""
 
     def __init__(self, pipe: "Pipe", input: TensorOrTensors, target: Any, loss_fn: LossFn,
-                 schedule: Union[str, AnySchedule]) -> None:
+                 schedule: Union[str, AnySchedule], count_fn: Optional[CountFn] = None,
+                 replicas: Optional[Replicas] = None) -> None:
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step computes gradients, but gradients are disabled "
                                "here (torch.no_grad() or inference_mode); for inference call "
@@ -145,7 +157,7 @@ class TrainStep:
         self.batch = self.input.batch
         self.microbatches = self.input.microbatches(pipe.chunks)
         m = len(self.microbatches)
-        self.targets, self.weights = split_target(target, m)
+        self.weights = loss_weights(target, m, count_fn, replicas)
         self.actions = local_actions(schedule, len(pipe.partitions), m)
         self.schedule = schedule
         self.loss_fn = loss_fn
@@ -157,10 +169,11 @@ class TrainStep:
     def run(self, pipe: "Pipe") -> Tensor:
         """Run the step; return what hands its gradients over when backpropagated."""
         mode = pipe.checkpoint if pipe.training else "never"
-        run, self.loss = pipe._pipeline.train_step(
-            self.microbatches, self.targets, self.weights, self.loss_fn, self.actions,
-            checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)),
+        run, weighted = pipe._pipeline.train_step(
+            self.microbatches, self.weights.targets, self.weights.weights, self.loss_fn,
+            self.actions, checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)),
             schedule=self.schedule)
+        self.loss = self.weights.report(weighted)
         assert run.sink is not None
         self._sums = dict(run.sink.take())
         self._input_grads = run.input_grads
