@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpipe.core.checkpoint import checkpoint_stop
+from seqpipe.core.loss_weights import CountFn, LossWeights, loss_weights
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.stage import Stage
-from seqpipe.core.tasks import split_target
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.agreement import call_kind, check_same_call, opened
 from seqpipe.distributed.auto import AutoRunner
@@ -179,15 +179,18 @@ class CallLifecycle:
         return loss
 
     def train_step(self, input: Optional[TensorOrTensors], target: Any, loss_fn: LossFn,
-                   seed: Optional[Tensor], *, chunks: int, checkpoint: str) -> Tensor:
+                   seed: Optional[Tensor], *, chunks: int, checkpoint: str,
+                   count_fn: Optional[CountFn] = None) -> Tensor:
         """One ``DistributedPipe.train_step`` on this rank, ``seed`` its loss scale (or
-        ``None``) and ``checkpoint`` the mode in force (``"never"`` in eval mode)."""
+        ``None``), ``checkpoint`` the mode in force (``"never"`` in eval mode) and
+        ``count_fn`` what normalises a summed loss (``seqpipe.core.loss_weights``)."""
         self.transport.begin()
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
                     seed=seed, timer=self.auto.timer() if self.auto else None)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
         with self._dropping_statistics_on_failure():
-            loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint)
+            loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint,
+                                    count_fn)
         end_step(step, self, call)
         if call.timer is not None and self.auto is not None:  # measured: pick from now on
             self.auto.decide(call.timer, call.microbatches)
@@ -225,16 +228,19 @@ class CallLifecycle:
         return list(seen.values())
 
     def _train_step(self, call: Call, input: Optional[TensorOrTensors], target: Any,
-                    loss_fn: LossFn, chunks: int, checkpoint: str) -> Tensor:
+                    loss_fn: LossFn, chunks: int, checkpoint: str,
+                    count_fn: Optional[CountFn]) -> Tensor:
+        weights = LossWeights([], [])
         targets: Optional[List[Any]] = None
-        weights: List[float] = []
         with call.guard("start of the step"):
             if self.reducer is not None:
                 self.reducer.follow(self._trainable())  # requires_grad as of now
             batches, actions = self.open(call, input, chunks)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
-                targets, weights = split_target(target, len(batches))
+                replicas = None if self.reducer is None else self.reducer.replicas(self.device)
+                weights = loss_weights(target, len(batches), count_fn, replicas)
+                targets = weights.targets
         ends = [n for n, a in enumerate(actions) if a.phase in _LAST]
         for n in ends:  # each stage's last B or W: its gradients are final there
             call.grads[actions[n].stage] = StepGrads(self.stages[actions[n].stage],
@@ -245,11 +251,12 @@ class CallLifecycle:
             with call.guard(describe(action), action.stage):
                 if n == ends[-1] and self.reducer is not None:
                     self.reducer.arm()  # gradients final from here: reduce as they land
-                call.run(action, batches, targets, loss_fn, weights)
+                call.run(action, batches, targets, loss_fn, weights.weights)
         with call.guard("end of the step"):
             for stage in self.stages.values():
                 stage.finish_forward()
-            loss = self.close(call, torch.stack(call.losses).sum() if self.is_last else None)
+            loss = self.close(call, weights.report(torch.stack(call.losses).sum())
+                              if self.is_last else None)
             self._reduce()
         assert loss is not None
         return loss
