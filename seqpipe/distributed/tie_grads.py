@@ -125,6 +125,6 @@ def _mixed(tie: str, stages: Sequence[int], said: List[int]) -> str:
     frozen = [s for s, w in zip(stages, said) if w == FROZEN]
     return (f"the tied parameter {tie} requires grad on stages {trained} but not on "
             f"{frozen}: its copies would no longer get the same gradient. Set requires_grad "
-            f"of a tied parameter on every rank alike, between steps (on every rank, "
-            f"through the model you built the pipe from, e.g. "
-            f"model[0].weight.requires_grad_(False), which reaches each rank's copy)")
+            f"of a tied parameter on every rank alike, between steps: through the model you "
+            f"built the pipe from (e.g. model[0].weight.requires_grad_(False)), which "
+            f"reaches each rank's copy")
