@@ -8,7 +8,8 @@ batch and announces the micro-batch count with a STEP message, and every rank ch
 all make the same kind of call), runs the rank's actions in schedule order, and closes the
 call on every rank together (the loss from the rank of the last stage, then DONE). A train
 step ends with the reductions: gradients averaged over the data-parallel replicas (and the
-stage's buffers broadcast), then those of weights tied across ranks summed. Under
+stage's buffers broadcast), then what the step added to the gradients of weights tied
+across ranks summed (their earlier gradients set aside at the start: ``tie_grads``). Under
 ``schedule="auto"`` the first train step is timed, and the schedule picked from it runs from
 the next call on.
 """
@@ -32,7 +33,7 @@ from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
 from seqpipe.distributed.step import Call, LossFn, describe
-from seqpipe.distributed.ties import TiedCopies
+from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.schedule import Action, AnySchedule, Phase, Placement, validate_schedule
@@ -65,7 +66,7 @@ class CallLifecycle:
                  placement: Placement, schedule: AnySchedule, *, chunks: int,
                  group: Optional[dist.ProcessGroup], device: torch.device,
                  auto: Optional[AutoRunner], reducer: Optional[GradientReducer],
-                 tied: Optional[TiedCopies], partition: nn.Sequential,
+                 tied: Optional[TieGrads], partition: nn.Sequential,
                  broadcast_buffers: bool) -> None:
         self.stages = stages
         self.transport = transport
@@ -188,7 +189,7 @@ class CallLifecycle:
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
                     seed=seed, timer=self.auto.timer() if self.auto else None)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
-        with self._dropping_statistics_on_failure():
+        with self._undoing_on_failure():
             loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint,
                                     count_fn)
         end_step(step, self, call)
@@ -205,18 +206,22 @@ class CallLifecycle:
         self.transport.begin()
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=False)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
-        with self._dropping_statistics_on_failure():
+        with self._undoing_on_failure():
             output = self._forward(call, input, chunks)
         end_step(step, self, call)
         return output
 
     @contextmanager
-    def _dropping_statistics_on_failure(self) -> Iterator[None]:
+    def _undoing_on_failure(self) -> Iterator[None]:
+        """After a failed call: the stages drop the call's deferred statistics, and the
+        tied copies' earlier gradients are back in ``.grad`` (see ``TieGrads``)."""
         try:
             yield
         except BaseException:
             for stage in self.stages.values():
                 stage.finish_forward(failed=True)
+            if self.tied is not None:
+                self.tied.put_back()
             raise
 
     def _trainable(self) -> List[nn.Parameter]:
@@ -235,6 +240,8 @@ class CallLifecycle:
         with call.guard("start of the step"):
             if self.reducer is not None:
                 self.reducer.follow(self._trainable())  # requires_grad as of now
+            if self.tied is not None:
+                self.tied.set_aside()  # sum only what this step adds, of what is trained now
             batches, actions = self.open(call, input, chunks)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
@@ -271,7 +278,7 @@ class CallLifecycle:
                 broadcast_buffers(self.partition, self.reducer.group)
         if self.tied is not None:
             with hooks.span(EventKind.REDUCE, self.stage_index, what=What.TIES):
-                self.tied.reduce_grads()  # after the replicas' mean: the two commute
+                self.tied.reduce()  # after the replicas' mean: the two commute
 
     def _forward(self, call: Call, input: Optional[TensorOrTensors],
                  chunks: int) -> Optional[TensorOrTensors]:

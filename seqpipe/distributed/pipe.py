@@ -25,6 +25,7 @@ from seqpipe.distributed.materialize import materialize
 from seqpipe.distributed.mesh import reverse_group
 from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
+from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Transport
 from seqpipe.schedule import (
@@ -183,7 +184,8 @@ class DistributedPipe(nn.Module):
         self._calls = CallLifecycle(self._stages, self._transport, layout, self.placement,
                                     self.schedule, chunks=self.chunks, group=group,
                                     device=self.device, auto=self._auto, reducer=self._reducer,
-                                    tied=self._tied, partition=partition,
+                                    tied=TieGrads(self._tied) if self._tied is not None else None,
+                                    partition=partition,
                                     broadcast_buffers=self.broadcast_buffers)
 
     @property
