@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from seqpipe.checkpoint import is_checkpointing, is_recomputing
+from seqpipe.checkpoint import ReentrantCheckpointError, is_checkpointing, is_recomputing
 from seqpipe.nochunk import NoChunk
 from seqpipe.pipe import Pipe
 
-__all__ = ["Pipe", "DistributedPipe", "NoChunk", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipe", "DistributedPipe", "NoChunk", "ReentrantCheckpointError", "is_checkpointing",
+           "is_recomputing"]
 __version__ = "0.1.0"
 
 
