@@ -33,7 +33,6 @@ from typing import (
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import GradSink
@@ -162,14 +161,10 @@ class Tasks:
         if s == self.num_stages - 1 and loss_fn is not None and targets is not None:
             assert state is not None
             target, weight = targets[i], weights[i]
-            # held with the forward's saved tensors: a split backward frees them after I
-            with state.recording(), self._computing(Phase.FORWARD, s, i, EventKind.LOSS):
-                loss = microbatch_loss(i, sent.outputs, target, loss_fn, weight)
+            with self._computing(Phase.FORWARD, s, i, EventKind.LOSS):  # loss_fn: once
+                loss = self.stages[s].loss(
+                    state, sent, lambda out: microbatch_loss(i, out, target, loss_fn, weight))
             self.losses.append(loss.detach())
-            if state.replay is None:
-                state.roots = [get_gradient_edge(loss)]
-            else:  # recomputed at I, the loss with it
-                state.head = lambda out: microbatch_loss(i, out, target, loss_fn, weight)
         else:
             self.send_forward(s, i, sent)
         if state is not None:
