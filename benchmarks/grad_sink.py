@@ -1,6 +1,6 @@
 """Cost of a stage's gradient sink: a training step plainly and through each sink.
 
-A stage runs its partition through a sink (``seqpipe/sink.py``) and backpropagates into
+A stage runs its partition through a sink (``seqpipe/core/sink.py``) and backpropagates into
 ``sink.weights``; the sums are then handed to autograd once. Without parameter hooks the
 sink is a ``DirectSink`` (the layers run as in the plain model; nothing per torch
 operation); with a hook it is an ``AliasSink``, whose ``TorchFunctionMode`` costs one Python
@@ -45,7 +45,7 @@ from _common import clone, interleave, make_model, paired_ratio, pin_malloc
 from torch import Tensor, nn
 
 from seqpipe import Pipe
-from seqpipe.sink import AliasSink, GradSink, open_sink
+from seqpipe.core.sink import AliasSink, GradSink, open_sink
 
 TARGETS = {"direct": 1.02, "pipe": 1.03}
 

@@ -1,6 +1,6 @@
 """Without parameter hooks a ``Pipe`` runs its layers exactly as the plain model does.
 
-No ``TorchFunctionMode`` stands between the layers and torch (``seqpipe.sink.DirectSink``):
+No ``TorchFunctionMode`` stands between the layers and torch (``seqpipe.core.sink.DirectSink``):
 autograd records the parameters themselves and every micro-batch accumulates into ``.grad``.
 The gradients are still the plain model's, handed to autograd once per call, and ``.grad``
 is as it was before the call wherever autograd does not accumulate (``autograd.grad``, a

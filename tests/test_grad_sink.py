@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe import Pipe
-from seqpipe.sink import AliasSink
+from seqpipe.core.sink import AliasSink
 
 MODES = ("always", "except_last", "never")
 

@@ -3,7 +3,7 @@
 Hooks on a parameter (``register_post_accumulate_grad_hook``, which "optimizer step in
 backward" recipes use, or ``register_hook``) must fire once per ``train_step`` with the
 step's whole gradient, as they do for ``Pipe`` and for the unpipelined model, not once per
-micro-batch with part of it. Without such hooks (``seqpipe.sink.needs_aliases``; the
+micro-batch with part of it. Without such hooks (``seqpipe.core.sink.needs_aliases``; the
 data-parallel reducer's are ``step_aware``) there is nothing to keep: every micro-batch
 accumulates straight into ``.grad``, at the plain model's speed. With them, as in ``Pipe``,
 the micro-batches accumulate into an ``AliasSink``'s aliases, where no hook of the real
@@ -26,8 +26,8 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from seqpipe.sink import AliasSink, GradSink, open_sink
-from seqpipe.stage import Stage
+from seqpipe.core.sink import AliasSink, GradSink, open_sink
+from seqpipe.core.stage import Stage
 
 __all__ = ["StepGrads"]
 
