@@ -14,6 +14,7 @@ from typing import Dict, List
 
 import pytest
 import torch
+from test_grad_sink import CustomFunction, _plain_grads, _Side
 from torch import Tensor, nn
 
 from seqpipe import Pipe
@@ -42,12 +43,6 @@ def _model() -> nn.Sequential:
 
 def _probes(model: nn.Module) -> List[Probe]:
     return [m for m in model.modules() if isinstance(m, Probe)]
-
-
-def _plain_grads(model: nn.Sequential, x: Tensor) -> Dict[str, Tensor]:
-    model.zero_grad()
-    model(x).square().mean().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _assert_grads(model: nn.Module, expected: Dict[str, Tensor], scale: float = 1.0) -> None:
@@ -94,46 +89,12 @@ def test_a_hook_on_one_parameter_keeps_every_hook_once_per_call(hook: str) -> No
     assert all(depth >= 1 for probe in _probes(pipe) for depth in probe.depths)
 
 
-class _Side(nn.Module):
-    """Uses another partition's weight through a plain list, not a registered entry."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.refs = [weight]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.tanh(x @ self.refs[0].t())
-
-
-class _MatMul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple:  # type: ignore[override]
-        x, w = ctx.saved_tensors
-        return grad @ w, grad.t() @ x
-
-
-class _Custom(nn.Module):
-    """Hands its parameter to a custom autograd Function (no ``__torch_function__``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _MatMul.apply(x, self.weight)
-
-
 def _tangled() -> nn.Sequential:
     """Partitions [0 1 2] [3 4 5] [6 7]: layer 6's weight is layer 0's (tied across
     partitions), layer 7 uses layer 2's through a plain attribute (another partition's),
     and layer 2 hands it to a custom autograd Function (no ``__torch_function__``)."""
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), _Custom(), nn.Linear(8, 8),
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), CustomFunction(), nn.Linear(8, 8),
                           _Side(nn.Parameter(torch.randn(8, 8))), nn.Tanh(),
                           nn.Linear(8, 8), nn.Tanh()).double()
     model[4].refs = [model[3].weight]  # its own partition's

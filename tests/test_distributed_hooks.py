@@ -11,6 +11,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from test_direct_sink import Probe
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -123,28 +124,16 @@ def test_an_optimizer_stepped_in_backward_sees_full_gradients(schedule: str) -> 
 
 
 # -- without hooks: no mode between the layers and torch ------------------------------------
-class _Probe(nn.Module):
-    """Records how many TorchFunctionModes are active each time it runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.depths: List[int] = []
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.depths.append(torch._C._len_torch_function_stack())
-        return x
-
-
 def _probed() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), _Probe(), nn.Tanh(), nn.Linear(8, 8), _Probe(),
+    return nn.Sequential(nn.Linear(4, 8), Probe(), nn.Tanh(), nn.Linear(8, 8), Probe(),
                          nn.Tanh(), nn.Linear(8, 3)).double()
 
 
 def _depths(pipe: DistributedPipe) -> set:
-    seen = {d for m in pipe.partition.modules() if isinstance(m, _Probe) for d in m.depths}
+    seen = {d for m in pipe.partition.modules() if isinstance(m, Probe) for d in m.depths}
     for m in pipe.partition.modules():
-        if isinstance(m, _Probe):
+        if isinstance(m, Probe):
             m.depths.clear()
     return seen
 
