@@ -187,6 +187,14 @@ class DistributedPipe(nn.Module):
                                     broadcast_buffers=self.broadcast_buffers)
 
     @property
+    def stage_modules(self) -> Tuple[nn.Sequential, ...]:
+        """This rank's stages, one ``nn.Sequential`` of their layers each, in ``stages``
+        order: what to shard with FSDP2's ``fully_shard`` after building the pipe (see
+        "3-D parallelism" in docs/distributed.md). Their layers are the pipe's own, so
+        wrapping them wraps the pipe's parameters in place."""
+        return tuple(self._stages[s].partition for s in self.stages)
+
+    @property
     def auto_choice(self) -> Optional[AutoChoice]:
         """Under ``schedule="auto"``: what it picked for ``chunks`` micro-batches, once the
         first ``train_step`` has measured the costs (``None`` before, or without auto)."""
