@@ -2,9 +2,8 @@
 processes, trained exactly as the single-process model; what is not supported is refused."""
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Tuple
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -49,12 +48,19 @@ def _full(tensor: Any) -> Any:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _exact(rank: int, world: int) -> None:
+def _worker(rank: int, world: int) -> None:
     torch.set_default_dtype(torch.float64)
+    failures = Failures(rank, TOL)
+    _exact(rank, failures)
+    _refused(rank, failures)
+    failures.finish()
+
+
+def _exact(rank: int, failures: Failures) -> None:
+    """Sharded stages train as the single-process model does."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, _ = mesh_groups(mesh)
     replica = mesh["dp"].get_local_rank()
-    failures = Failures(rank, TOL)
     cases = [("1f1b", True, "except_last"), ("1f1b", False, "never"),
              ("zb_h1", True, "except_last"), ("zb_h1", False, "always"),
              ("interleaved_1f1b", True, "except_last"), ("interleaved_1f1b", False, "never")]
@@ -91,50 +97,55 @@ def _exact(rank: int, world: int) -> None:
             for name, param in mine.items():
                 failures.close(_full(param.detach()), theirs[name].detach(),
                                f"{what}: step {step}: {name} after AdamW")
-    failures.finish()
 
 
-def test_fsdp_stages_train_exactly() -> None:
-    """pp=2 × fsdp=2: 1f1b, zb_h1 and interleaved_1f1b, either reshard_after_forward, with
-    and without checkpointing, three AdamW steps: the gradients of every step and the
-    parameters after it equal the single-process model's."""
-    run_workers(_exact, 4, timeout=240)
+class _ToDTensor(nn.Module):
+    """Makes its input a (replicated) DTensor."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: Tensor) -> Tensor:
+        return DTensor.from_local(x, self.mesh, [Replicate()])
 
 
-def _refused(rank: int, world: int, case: str) -> None:
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
-    pp, _ = mesh_groups(mesh)
-    pipe = DistributedPipe(_model(), chunks=2, balance=[4, 4], group=pp)
-    if case == "tensor parallel":
-        for stage in pipe.stage_modules:
-            parallelize_module(stage[-1], mesh["dp"], ColwiseParallel())
-            fully_shard(stage, mesh=mesh["dp"])
-        expected: Any = (NotImplementedError, "tensor parallelism")
-    elif case == "hsdp":
-        mesh2 = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "rep", "shard"))
-        for stage in pipe.stage_modules:
-            fully_shard(stage, mesh=mesh2["rep", "shard"])
-        expected = (NotImplementedError, "1-D mesh only")
-    else:  # a DTensor activation sent to the next stage
-        dp = mesh["dp"]
+def _refused(rank: int, failures: Failures) -> None:
+    """What is not supported yet raises, naming it, on the rank that has it."""
+    for case in ("tensor parallel", "hsdp", "dtensor activation"):
+        # fresh groups per case: a failed call leaves its pipeline's groups unusable
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        pp, _ = mesh_groups(mesh)
+        pipe = DistributedPipe(_model(), chunks=2, balance=[4, 4], group=pp)
+        if case == "tensor parallel":
+            for stage in pipe.stage_modules:  # its first Linear split over the dp ranks
+                first = next(m for m in stage.modules() if isinstance(m, nn.Linear))
+                parallelize_module(first, mesh["dp"], ColwiseParallel())
+            expected: Any = (NotImplementedError, "does not train tensor-parallel stages")
+        elif case == "hsdp":
+            hybrid = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "rep", "shard"))
+            for stage in pipe.stage_modules:
+                fully_shard(stage, mesh=hybrid["rep", "shard"])
+            expected = (NotImplementedError, "fully_shard on a 1-D mesh only")
+        else:  # stage 0 sends a DTensor activation to stage 1
+            pipe.stage_modules[0].append(_ToDTensor(mesh["dp"]))
+            expected = ((TypeError, "would send a DTensor") if pipe.is_first
+                        else (PeerError, "stage 0 failed in the forward"))
+        x, y = _batch(0)
+        try:
+            pipe.train_step(x[:8] if pipe.is_first else None, y[:8] if pipe.is_last else None,
+                            nn.functional.mse_loss)
+        except expected[0] as exc:
+            failures.expect(expected[1] in str(exc), f"{case}: {exc}")
+        else:
+            failures.expect(False, f"{case}: trained instead of raising {expected}")
 
-        class ToDTensor(nn.Module):
-            def forward(self, x: Tensor) -> Tensor:
-                return DTensor.from_local(x, dp, [Replicate()])
 
-        if pipe.is_first:
-            pipe.stage_modules[0].append(ToDTensor())
-        fully_shard(pipe.stage_modules[0], mesh=dp)
-        expected = (TypeError, "DTensor") if pipe.is_first else (PeerError, "stage 0 failed")
-    x, y = _batch(0)
-    with pytest.raises(expected[0], match=expected[1]):
-        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
-                        nn.functional.mse_loss)
-
-
-@pytest.mark.parametrize("case", ["tensor parallel", "hsdp", "dtensor activation"])
-def test_unsupported_sharding_is_refused(case: str) -> None:
-    """What DistributedPipe cannot train yet with sharded stages raises, naming it, instead
-    of training silently wrong: a tensor-parallel stage, HSDP, a DTensor activation sent
-    across a stage boundary (the sender's own error, not blamed on its peer)."""
-    run_workers(_refused, 2, case, timeout=120)
+def test_fsdp_stages() -> None:
+    """pp=2 × fsdp=2 on 4 processes. 1f1b, zb_h1 and interleaved_1f1b, either
+    reshard_after_forward, with and without checkpointing, three AdamW steps: the gradients
+    of every step and the parameters after it equal the single-process model's. And what
+    is not supported yet raises, naming it, instead of training silently wrong: a
+    tensor-parallel stage, HSDP, a DTensor activation sent across a stage boundary (the
+    sender's own TypeError; its peer hears that stage 0 failed)."""
+    run_workers(_worker, 4, timeout=300)

@@ -30,7 +30,7 @@ tied across ranks, ``schedule="auto"`` and ``PipeGradScaler``.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Set
 
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
@@ -39,13 +39,46 @@ from torch.distributed.tensor import DTensor
 from seqpipe.schedule import Action, Phase
 from seqpipe.stage import Stage
 
-__all__ = ["ShardedStage", "ShardedStep", "plain_parameters"]
+__all__ = ["ShardedStage", "ShardedStep", "plain_parameters", "refuse_dtensors"]
 
 
 def plain_parameters(params: Sequence[nn.Parameter]) -> List[nn.Parameter]:
     """``params`` but the ``DTensor`` ones (FSDP2's sharded parameters): what seqpipe's own
     data-parallel reducer may average (FSDP2 reduces the others itself)."""
     return [p for p in params if not isinstance(p, DTensor)]
+
+
+def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
+    """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
+    ``what``, is a ``DTensor``: the wire carries plain tensors only, so far."""
+    for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            raise TypeError(
+                f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
+                f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
+                f"DTensors between stages yet (issue 25): make the stage's output a plain "
+                f"tensor (dtensor.full_tensor(), or .to_local() for the local shard)")
+
+
+def check_parameters(stage: Stage, managed: Set[int]) -> None:
+    """Refuse, naming the limitation, a parameter ``DTensor`` of ``stage`` that this runtime
+    would train wrong: one FSDP2 does not manage (``managed``: the ids of those it does),
+    or one on a mesh of more than one dimension."""
+    for name, param in stage.partition.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        if id(param) not in managed:
+            raise NotImplementedError(
+                f"stage {stage.index}: parameter {name!r} is a DTensor that FSDP2 does not "
+                f"manage (tensor parallelism: parallelize_module); DistributedPipe does not "
+                f"train tensor-parallel stages yet (issue 25): shard the stage with "
+                f"fully_shard on a 1-D mesh only")
+        if param.device_mesh.ndim > 1:
+            raise NotImplementedError(
+                f"stage {stage.index}: parameter {name!r} is sharded on a "
+                f"{param.device_mesh.ndim}-D mesh {param.device_mesh.mesh_dim_names} (HSDP, "
+                f"or FSDP over tensor parallelism); DistributedPipe supports fully_shard on a "
+                f"1-D mesh only yet (issue 25)")
 
 
 class ShardedStage:
@@ -79,25 +112,10 @@ class ShardedStage:
             seen.setdefault(id(param), param)
         return list(seen.values())
 
-    def check_supported(self) -> None:
-        """Refuse, naming the limitation, what this runtime would train wrong."""
-        managed = {id(fp.sharded_param) for group in self._groups()
-                   for fp in group.fsdp_params}  # type: ignore[attr-defined]
-        for name, param in self.stage.partition.named_parameters():
-            if not isinstance(param, DTensor):
-                continue
-            if id(param) not in managed:
-                raise NotImplementedError(
-                    f"stage {self.stage.index}: parameter {name!r} is a DTensor that FSDP2 "
-                    f"does not manage (tensor parallelism, parallelize_module); "
-                    f"DistributedPipe does not train tensor-parallel stages yet (issue 25): "
-                    f"shard the stage with fully_shard on a 1-D mesh only")
-            if param.device_mesh.ndim > 1:
-                raise NotImplementedError(
-                    f"stage {self.stage.index}: parameter {name!r} is sharded on a "
-                    f"{param.device_mesh.ndim}-D mesh {param.device_mesh.mesh_dim_names} "
-                    f"(HSDP, or FSDP over tensor parallelism); DistributedPipe supports "
-                    f"fully_shard on a 1-D mesh only yet (issue 25)")
+    def managed(self) -> Set[int]:
+        """The ids of the parameters FSDP2 manages (its sharded ones)."""
+        return {id(fp.sharded_param) for group in self._groups()
+                for fp in group.fsdp_params}  # type: ignore[attr-defined]
 
     def begin(self) -> None:
         """Start of a step: accumulate unreduced unsharded gradients over its backwards."""
@@ -129,6 +147,7 @@ class ShardedStep:
     """The FSDP2 protocol over one ``train_step`` of a rank's stages (none may be sharded)."""
 
     def __init__(self, stages: Mapping[int, Stage]) -> None:
+        self.all = stages
         self.stages: Dict[int, ShardedStage] = {}
         self.last: Dict[Optional[int], int] = {}  # stage -> index of its last B or W
         for s, stage in stages.items():
@@ -143,10 +162,11 @@ class ShardedStep:
 
     def check(self, *, auto: bool, scaled: bool, tied: bool) -> None:
         """Refuse what is not supported with sharded stages yet, naming it."""
+        for s, stage in self.all.items():
+            sharded = self.stages.get(s)
+            check_parameters(stage, sharded.managed() if sharded is not None else set())
         if not self.stages:
             return
-        for sharded in self.stages.values():
-            sharded.check_supported()
         stages = sorted(self.stages)
         for unsupported, what in ((auto, "schedule='auto'"), (scaled, "PipeGradScaler"),
                                   (tied, "weights tied across ranks")):
