@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
@@ -44,6 +45,19 @@ def _shard(pipe: DistributedPipe, mesh: DeviceMesh, reshard: bool) -> None:
         fully_shard(stage, mesh=mesh, reshard_after_forward=reshard)
 
 
+class _CountReductions:
+    """Counts FSDP2's gradient reductions (one reduce-scatter of a parameter group each)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.reduce = _fsdp_param_group.foreach_reduce
+        _fsdp_param_group.foreach_reduce = self  # type: ignore[assignment]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.count += 1
+        return self.reduce(*args, **kwargs)
+
+
 def _full(tensor: Any) -> Any:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
@@ -61,6 +75,7 @@ def _exact(rank: int, failures: Failures) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, _ = mesh_groups(mesh)
     replica = mesh["dp"].get_local_rank()
+    reductions = _CountReductions()
     cases = [("1f1b", True, "except_last"), ("1f1b", False, "never"),
              ("zb_h1", True, "except_last"), ("zb_h1", False, "always"),
              ("interleaved_1f1b", True, "except_last"), ("interleaved_1f1b", False, "never")]
@@ -78,8 +93,14 @@ def _exact(rank: int, failures: Failures) -> None:
             x, y = _batch(step)
             half = slice(replica * 8, replica * 8 + 8)
             opt.zero_grad()
+            reductions.count = 0
             loss = pipe.train_step(x[half] if pipe.is_first else None,
                                    y[half] if pipe.is_last else None, nn.functional.mse_loss)
+            groups = sum(1 for stage in pipe.stage_modules for layer in stage
+                         if any(True for _ in layer.parameters()))
+            failures.expect(reductions.count == groups,
+                            f"{what}: step {step}: {reductions.count} reductions for "
+                            f"{groups} parameter groups, not one each per step")
             ref_opt.zero_grad()
             ref_loss = nn.functional.mse_loss(reference(x), y)
             ref_loss.backward()
@@ -144,7 +165,8 @@ def _refused(rank: int, failures: Failures) -> None:
 def test_fsdp_stages() -> None:
     """pp=2 × fsdp=2 on 4 processes. 1f1b, zb_h1 and interleaved_1f1b, either
     reshard_after_forward, with and without checkpointing, three AdamW steps: the gradients
-    of every step and the parameters after it equal the single-process model's. And what
+    of every step and the parameters after it equal the single-process model's, reduced
+    once per parameter group and step (not per micro-batch). And what
     is not supported yet raises, naming it, instead of training silently wrong: a
     tensor-parallel stage, HSDP, a DTensor activation sent across a stage boundary (the
     sender's own TypeError; its peer hears that stage 0 failed)."""
