@@ -7,23 +7,24 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from seqpipe.arguments import check_checkpoint_every, check_chunks
-from seqpipe.batchnorm import convert_deferred_batch_norm
-from seqpipe.checkpoint import check_mode, checkpoint_stop
-from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather
-from seqpipe.partition import (
+from seqpipe.core.arguments import check_checkpoint_every, check_chunks
+from seqpipe.core.batchnorm import convert_deferred_batch_norm
+from seqpipe.core.checkpoint import check_mode, checkpoint_stop
+from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
+from seqpipe.core.partition import (
     Device,
     refuse_meta,
     split_by_balance,
     split_by_placement,
     verify_module,
 )
-from seqpipe.pipe_step import TrainStep, input_grad
-from seqpipe.pipeline import LocalPipeline, LocalRun
+from seqpipe.core.stage import Stage
+from seqpipe.core.tasks import LossFn
+from seqpipe.local.pipeline import LocalPipeline
+from seqpipe.local.step import LocalRun
+from seqpipe.local.train_step import TrainStep, input_grad
 from seqpipe.schedule import AnySchedule
 from seqpipe.skip.layout import inspect_skip_layout
-from seqpipe.stage import Stage
-from seqpipe.tasks import LossFn
 
 __all__ = ["Pipe"]
 
@@ -207,9 +208,10 @@ class Pipe(nn.Module):
         forward and its gradients are averaged over the replicas once: call
         ``ddp.module.train_step(x, y, loss_fn, ddp=ddp)``.
         """
-        step = TrainStep(self, input, target, loss_fn, schedule)
+        step = TrainStep(input, target, loss_fn, schedule, chunks=self.chunks,
+                         num_partitions=len(self.partitions))
         if ddp is None:
-            handle = step.run(self)
+            handle = self._run_step(step)
         else:
             if getattr(ddp, "module", None) is not self:
                 raise ValueError("ddp must be the DistributedDataParallel that wraps this "
@@ -225,11 +227,15 @@ class Pipe(nn.Module):
         assert step.loss is not None
         return step.loss
 
+    def _run_step(self, step: TrainStep) -> Tensor:
+        return step.run(self._pipeline, self.checkpoint if self.training else "never",
+                        self.parameters())
+
     @torch.compiler.disable
     def _run(self, input: TensorOrTensors) -> TensorOrTensors:
         if self._pending is not None:  # train_step(..., ddp=...): DDP's forward runs it
             step, self._pending = self._pending, None
-            return step.run(self)
+            return self._run_step(step)
         given = Input.of(input)
         batch = given.batch
         params = [p for p in self.parameters() if p.requires_grad]

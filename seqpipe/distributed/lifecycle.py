@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpipe.checkpoint import checkpoint_stop
+from seqpipe.core.checkpoint import checkpoint_stop
+from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
+from seqpipe.core.stage import Stage
+from seqpipe.core.tasks import split_target
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.agreement import call_kind, check_same_call, opened
 from seqpipe.distributed.auto import AutoRunner
@@ -33,13 +36,10 @@ from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.ties import TiedCopies
 from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
-from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.schedule import Action, AnySchedule, Phase, Placement, validate_schedule
 from seqpipe.skip.layout import SkipLayout
-from seqpipe.stage import Stage
-from seqpipe.tasks import split_target
 from seqpipe.trace import hooks
-from seqpipe.trace.events import EventKind
+from seqpipe.trace.events import EventKind, What
 
 __all__ = ["CallLifecycle", "CallPlan"]
 
@@ -267,12 +267,12 @@ class CallLifecycle:
         """The end of a train step: the data-parallel mean (and buffer broadcast), then
         the sum of the copies of weights tied across ranks."""
         if self.reducer is not None:
-            with hooks.span(EventKind.REDUCE, self.stage_index, what="data parallel"):
+            with hooks.span(EventKind.REDUCE, self.stage_index, what=What.DATA_PARALLEL):
                 self.reducer.finish()
             if self.broadcast_buffers:
                 broadcast_buffers(self.partition, self.reducer.group)
         if self.tied is not None:
-            with hooks.span(EventKind.REDUCE, self.stage_index, what="tied weights"):
+            with hooks.span(EventKind.REDUCE, self.stage_index, what=What.TIES):
                 self.tied.reduce_grads()  # after the replicas' mean: the two commute
 
     def _forward(self, call: Call, input: Optional[TensorOrTensors],

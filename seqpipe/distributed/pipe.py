@@ -9,9 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpipe.arguments import check_checkpoint_every
-from seqpipe.batchnorm import convert_deferred_batch_norm
-from seqpipe.checkpoint import check_mode
+from seqpipe.core.arguments import check_checkpoint_every, check_chunks
+from seqpipe.core.batchnorm import convert_deferred_batch_norm
+from seqpipe.core.checkpoint import check_mode
+from seqpipe.core.microbatch import TensorOrTensors
+from seqpipe.core.partition import check_balance, verify_module
+from seqpipe.core.stage import Stage
 from seqpipe.distributed.agreement import check_same_model
 from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
@@ -23,9 +26,6 @@ from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Transport
-from seqpipe.microbatch import TensorOrTensors
-from seqpipe.partition import check_balance, verify_module
-from seqpipe.pipe import check_chunks
 from seqpipe.schedule import (
     AnySchedule,
     Auto,
@@ -36,7 +36,6 @@ from seqpipe.schedule import (
     validate_schedule,
 )
 from seqpipe.skip.layout import inspect_skip_layout
-from seqpipe.stage import Stage
 
 __all__ = ["DistributedPipe"]
 

@@ -5,7 +5,7 @@ backward only once every forward has run, so every micro-batch's activations are
 once. 1F1B and the zero-bubble schedules start a micro-batch's backward as soon as its
 forward ends, which needs its loss there and then; so ``train_step`` takes the target and
 the loss function and runs the whole step, forwards and backwards in the schedule's order
-(``LocalPipeline.train_step``, each action run by ``seqpipe.tasks`` as on a rank of
+(``LocalPipeline.train_step``, each action run by ``seqpipe.core.tasks`` as on a rank of
 ``DistributedPipe``). The mini-batch loss is that of ``DistributedPipe.train_step``: the
 micro-batch losses weighted by micro-batch size, so for a mean-reduced ``loss_fn`` it and
 the gradients are those of ``loss_fn(model(input), target)``.
@@ -22,13 +22,15 @@ of DDP's output: the reducer averages the gradients once per mini-batch, as it d
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from seqpipe.checkpoint import checkpoint_stop
-from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather_grad
+from seqpipe.core.checkpoint import checkpoint_stop
+from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather_grad
+from seqpipe.core.tasks import LossFn, split_target
+from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.schedule import (
     Action,
     AnySchedule,
@@ -39,10 +41,6 @@ from seqpipe.schedule import (
     validate_schedule,
 )
 from seqpipe.schedule.protocol import staged_orders
-from seqpipe.tasks import LossFn, split_target
-
-if TYPE_CHECKING:
-    from seqpipe.pipe import Pipe
 
 __all__ = ["TrainStep", "input_grad", "local_actions"]
 
@@ -130,10 +128,13 @@ class _Handoff(torch.autograd.Function):
 
 
 class TrainStep:
-    """One ``Pipe.train_step``: the checked arguments, then the step and its results."""
+    """One ``Pipe.train_step``: the checked arguments, then the step and its results.
 
-    def __init__(self, pipe: "Pipe", input: TensorOrTensors, target: Any, loss_fn: LossFn,
-                 schedule: Union[str, AnySchedule]) -> None:
+    ``chunks`` and ``num_partitions``: the pipe's.
+    """
+
+    def __init__(self, input: TensorOrTensors, target: Any, loss_fn: LossFn,
+                 schedule: Union[str, AnySchedule], *, chunks: int, num_partitions: int) -> None:
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step computes gradients, but gradients are disabled "
                                "here (torch.no_grad() or inference_mode); for inference call "
@@ -143,10 +144,10 @@ class TrainStep:
                             f"{type(loss_fn).__name__}")
         self.input = Input.of(input)
         self.batch = self.input.batch
-        self.microbatches = self.input.microbatches(pipe.chunks)
+        self.microbatches = self.input.microbatches(chunks)
         m = len(self.microbatches)
         self.targets, self.weights = split_target(target, m)
-        self.actions = local_actions(schedule, len(pipe.partitions), m)
+        self.actions = local_actions(schedule, num_partitions, m)
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.loss: Optional[Tensor] = None
@@ -154,17 +155,18 @@ class TrainStep:
         self._sums: Dict[nn.Parameter, Tensor] = {}
         self._input_grads: List[Tuple[Optional[Tensor], ...]] = []
 
-    def run(self, pipe: "Pipe") -> Tensor:
-        """Run the step; return what hands its gradients over when backpropagated."""
-        mode = pipe.checkpoint if pipe.training else "never"
-        run, self.loss = pipe._pipeline.train_step(
+    def run(self, pipeline: LocalPipeline, mode: str, parameters: Iterable[nn.Parameter]) -> Tensor:
+        """Run the step on the pipe's ``pipeline`` under checkpoint ``mode`` (``"never"``
+        outside training); return what hands the gradients of the pipe's ``parameters``
+        (and inputs) over when backpropagated."""
+        run, self.loss = pipeline.train_step(
             self.microbatches, self.targets, self.weights, self.loss_fn, self.actions,
             checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)),
             schedule=self.schedule)
         assert run.sink is not None
         self._sums = dict(run.sink.take())
         self._input_grads = run.input_grads
-        self.params = [p for p in pipe.parameters() if p.requires_grad]
+        self.params = [p for p in parameters if p.requires_grad]
         return _Handoff.apply(self, *self.batch.tensors, *self.params)
 
     def take_grads(self) -> List[Optional[Tensor]]:

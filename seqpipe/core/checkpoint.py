@@ -1,4 +1,4 @@
-"""Per-micro-batch activation checkpointing, and the flags layers can read.
+"""Per-micro-batch activation checkpointing; it sets the flags layers read (``flags.py``).
 
 Built on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the non-reentrant
 form keeps the autograd graph whole (so it composes with DistributedDataParallel, which
@@ -7,7 +7,6 @@ RNG state for the recomputation, and its ``context_fn`` is where the flags below
 """
 from __future__ import annotations
 
-import threading
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple
@@ -24,7 +23,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 if torch.distributed.is_available():
     import torch.distributed.nn.functional  # noqa: F401
 
-from seqpipe.rng import isolated_rng
+from seqpipe.core.flags import flag, is_checkpointing, is_recomputing
+from seqpipe.core.rng import isolated_rng
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
 
@@ -32,33 +32,6 @@ __all__ = ["MODES", "Replay", "check_mode", "checkpoint_stop", "checkpointed", "
            "is_checkpointing", "is_recomputing", "run_task"]
 
 MODES = ("always", "except_last", "never")
-
-_flags = threading.local()
-
-
-def is_checkpointing() -> bool:
-    """True while a checkpointed micro-batch runs its first (activation-free) forward."""
-    return getattr(_flags, "checkpointing", False)
-
-
-def is_recomputing() -> bool:
-    """True while a checkpointed micro-batch is recomputed for its backward.
-
-    Layers with side effects (updating running statistics, counting steps) should skip
-    them here, since the same micro-batch already ran once.
-    """
-    return getattr(_flags, "recomputing", False)
-
-
-@contextmanager
-def _flag(name: str) -> Iterator[None]:
-    previous = getattr(_flags, name, False)
-    setattr(_flags, name, True)
-    try:
-        yield
-    finally:
-        setattr(_flags, name, previous)
-
 
 def check_mode(mode: object) -> str:
     """Validate a ``checkpoint`` argument."""
@@ -96,7 +69,7 @@ def run_task(function: Callable[..., Any], args: Tuple[Any, ...], *, checkpoint:
              seed: Optional[int]) -> Any:
     """Run one (stage, micro-batch) forward, checkpointed or not.
 
-    ``seed`` selects private random streams (see ``seqpipe.rng``), which the
+    ``seed`` selects private random streams (see ``seqpipe.core.rng``), which the
     recomputation replays from the same seed; ``None`` keeps the global generators, whose
     state the checkpoint saves and restores itself (right only while no other thread
     draws from them: a single-stage pipeline, or one stage per process).
@@ -121,8 +94,8 @@ def checkpointed(function: Callable[..., Any], args: Tuple[Any, ...], rng: RngCo
 
     def contexts() -> Tuple[ContextManager[None], ContextManager[None]]:
         forward, recompute = rng()
-        return (_entered(_flag("checkpointing"), forward),
-                _entered(_flag("recomputing"), recompute, _recompute(label)))
+        return (_entered(flag("checkpointing"), forward),
+                _entered(flag("recomputing"), recompute, _recompute(label)))
 
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts,
                             preserve_rng_state=preserve_rng_state)
@@ -152,11 +125,11 @@ class Replay:
     @contextmanager
     def _replayed(self) -> Iterator[None]:
         if self.seed is not None:
-            with torch.enable_grad(), _flag("recomputing"):
+            with torch.enable_grad(), flag("recomputing"):
                 yield  # run_task's private stream, reseeded by the caller with ``seed``
             return
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), _flag("recomputing"):
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), flag("recomputing"):
             assert self.cpu_state is not None
             torch.set_rng_state(self.cpu_state)
             if self.device_state is not None:
@@ -172,5 +145,5 @@ def first_pass(function: Callable[..., Any], args: Tuple[Any, ...], *, seed: Opt
         replay.cpu_state = torch.get_rng_state()
         if device.type == "cuda":
             replay.device_state = torch.cuda.get_rng_state(device)
-    with torch.no_grad(), _flag("checkpointing"):
+    with torch.no_grad(), flag("checkpointing"):
         return run_task(function, args, checkpoint=False, seed=seed), replay

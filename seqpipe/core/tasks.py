@@ -3,7 +3,7 @@
 Every action of a schedule is one task on one stage: ``F`` runs the stage's forward on a
 micro-batch (on the last stage of a training step, also that micro-batch's loss, which
 becomes the root of its backward), ``B`` its backward, ``I`` and ``W`` the two halves of a
-split backward (``seqpipe.split_backward``). The engines differ only in how a task's inputs
+split backward (``seqpipe.core.split_backward``). The engines differ only in how a task's inputs
 arrive and where its results go: the local engine hands them between threads through a
 mailbox, the distributed one sends them between ranks. ``Tasks`` runs the tasks and asks the
 engine for those through four methods (``receive_forward``, ``send_forward``,
@@ -34,11 +34,11 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-from seqpipe.microbatch import Batch, scatter
+from seqpipe.core.microbatch import Batch, scatter
+from seqpipe.core.sink import GradSink
+from seqpipe.core.stage import Grads, Received, Sent, Stage, TaskState
 from seqpipe.schedule import Action, Phase
-from seqpipe.sink import GradSink
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Grads, Received, Sent, Stage, TaskState
 from seqpipe.trace import hooks
 from seqpipe.trace.events import KIND_OF_PHASE, EventKind
 

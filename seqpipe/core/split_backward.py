@@ -22,7 +22,7 @@ operation runs once, as in one backward: the gradients are those of a full backw
 A root off ``P`` (an output computed from parameters only) is all weight path: ``W``
 backpropagates it with its gradient.
 
-Right after ``I``, what only ``P`` needed is freed (``seqpipe.saved``): the saved tensors of
+Right after ``I``, what only ``P`` needed is freed (``seqpipe.core.saved``): the saved tensors of
 the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
 the roots' gradients; only the weight path's saved tensors and the kept gradients wait for
 ``W``, so a micro-batch between its ``I`` and its ``W`` holds no more than its schedule
@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import has_torch_function
 
-from seqpipe.saved import SavedTensors
+from seqpipe.core.saved import SavedTensors
 
 __all__ = ["SplitBackward", "autograd_inputs"]
 

@@ -21,16 +21,16 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from seqpipe.batchnorm import DeferredBatchNorm
-from seqpipe.checkpoint import Replay, first_pass, run_task
-from seqpipe.microbatch import Batch
-from seqpipe.saved import SavedTensors
-from seqpipe.segments import run_segments, segments_of, skips_between
-from seqpipe.sink import GradSink
+from seqpipe.core.batchnorm import DeferredBatchNorm
+from seqpipe.core.checkpoint import Replay, first_pass, run_task
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.saved import SavedTensors
+from seqpipe.core.segments import run_segments, segments_of, skips_between
+from seqpipe.core.sink import GradSink
+from seqpipe.core.split_backward import SplitBackward, autograd_inputs
+from seqpipe.core.stream import move
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
-from seqpipe.split_backward import SplitBackward, autograd_inputs
-from seqpipe.stream import move
 
 __all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "moved", "wants_grad"]
 
