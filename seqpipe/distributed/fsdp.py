@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from seqpipe.core.stage import Stage
 from seqpipe.schedule import Action, Phase
-from seqpipe.stage import Stage
 
 __all__ = ["ShardedStage", "ShardedStep", "plain_parameters", "refuse_dtensors"]
 
