@@ -110,6 +110,13 @@ def _exact(rank: int, failures: Failures) -> None:
             mine = dict(pipe.named_parameters())
             failures.expect(bool(mine) and all(isinstance(p, DTensor) for p in mine.values()),
                             f"{what}: the stage's parameters are not all sharded")
+            # memory: this rank holds half of each parameter and gradient (dim 0 of 16 or
+            # 3 rows over 2 ranks: 8 each, or 2 and 1)
+            held = sum(p.to_local().numel() + p.grad.to_local().numel()
+                       for p in mine.values())
+            whole = sum(2 * theirs[name].numel() for name in mine)
+            failures.expect(held <= whole // 2 + 2 * 16,
+                            f"{what}: this rank holds {held} of {whole} values, not half")
             for name, param in mine.items():
                 failures.close(_full(param.grad), theirs[name].grad,
                                f"{what}: step {step}: grad of {name}")
