@@ -189,7 +189,7 @@ class DistributedPipe(nn.Module):
     def stage_modules(self) -> Tuple[nn.Sequential, ...]:
         """This rank's stages, one ``nn.Sequential`` of their layers each, in ``stages``
         order: what to shard with FSDP2's ``fully_shard`` after building the pipe (see
-        "3-D parallelism" in docs/distributed.md). Their layers are the pipe's own, so
+        "Sharded stages" in docs/distributed.md). Their layers are the pipe's own, so
         wrapping them wraps the pipe's parameters in place."""
         return tuple(self._stages[s].partition for s in self.stages)
 
