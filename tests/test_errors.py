@@ -149,6 +149,44 @@ def test_layer_returning_a_non_tensor_at_a_boundary():
     assert any("stage 0" in note for note in info.value.__notes__)
 
 
+class ReturnsOutput(nn.Module):
+    """Ends a model the way a Hugging Face model does: a ModelOutput (a dict) of tensors."""
+
+    class ModelOutput(dict):
+        pass
+
+    def forward(self, x):
+        return self.ModelOutput(logits=x, hidden_states=(x,))
+
+
+@pytest.mark.parametrize("balance", [[2], [1, 1]], ids=["one partition", "two partitions"])
+def test_last_layer_returning_a_model_output_names_the_pipelines_output(balance):
+    """Even with one partition, there is no partition boundary to blame: the pipeline's
+    output is what is wrong, and the mend is a last layer that picks the tensors out."""
+    pipe = cpu_pipe(nn.Sequential(nn.Linear(2, 2), ReturnsOutput()), balance)
+    with pytest.raises(TypeError) as info:
+        pipe(torch.randn(2, 2))
+    message = str(info.value)
+    assert message.startswith("the pipeline's output (what the model's last layer "
+                              "(ReturnsOutput) returns) must be a tensor or a tuple of tensors")
+    assert "got a ModelOutput with keys (logits, hidden_states)" in message
+    assert "end the nn.Sequential with a layer that returns the tensors you need" in message
+    assert "partition boundary" not in message
+
+
+def test_a_middle_layer_returning_a_dict_names_the_partition_boundary():
+    class ReturnsDict(nn.Module):
+        def forward(self, x):
+            return {"x": x}
+
+    pipe = cpu_pipe(nn.Sequential(ReturnsDict(), nn.Identity()), [1, 1])
+    with pytest.raises(TypeError, match=r"what passes between partitions \(the output of "
+                                        r"the layer \(ReturnsDict\) before the partition "
+                                        r"boundary\) must be .* got a dict with keys \(x\); "
+                                        r"return tensors from that layer"):
+        pipe(torch.randn(2, 2))
+
+
 class Total(nn.Module):
     def forward(self, x):
         return x.sum()
