@@ -403,6 +403,42 @@ def test_a_meta_device_is_refused_before_any_layer_moves():
     assert not any(p.is_meta for p in model.parameters())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_up_front_with_the_mend():
+    """torch alone fails late, with a bare AssertionError; the check names the fix, and
+    nothing has moved when it does."""
+    model = mlp()
+    first = model[0].weight
+    built = torch.backends.cuda.is_built()
+    message = (r"devices \['cpu', 'cuda:0'\] include CUDA devices, but this PyTorch build "
+               r"has no CUDA support .*; install a CUDA build of torch, or use \"cpu\" for "
+               r"every partition \(e.g. devices=\['cpu', 'cpu'\]\)" if not built else
+               r"devices \['cpu', 'cuda:0'\] include cuda:0, but no CUDA device is visible")
+    with pytest.raises(ValueError, match=message):
+        Pipe(model, balance=[2, 1], devices=["cpu", "cuda:0"])
+    with pytest.raises(ValueError, match=message.replace("'cpu', 'cuda:0'", "'cpu', 'cuda:1'")
+                       .replace("include cuda:0", "include cuda:1")):
+        Pipe(model, balance=[2, 1], devices=["cpu", 1])
+    assert model[0].weight is first and first.device.type == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_distributed_pipe_refuses_a_cuda_device_without_cuda(tmp_path):
+    import torch.distributed as dist
+
+    from seqpipe.distributed import DistributedPipe
+
+    if dist.is_initialized():
+        pytest.skip("needs no process group in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"device \['cuda:0'\] include"):
+            DistributedPipe(mlp(), device="cuda:0")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_list_is_taken_as_a_tuple_everywhere():
     """A list where a tuple of tensors is expected is read as that tuple, by the pipeline,
     between partitions and by the balancers alike."""

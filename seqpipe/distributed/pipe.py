@@ -24,7 +24,7 @@ from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Transport
 from seqpipe.microbatch import TensorOrTensors
-from seqpipe.partition import check_balance, verify_module
+from seqpipe.partition import check_balance, check_devices, verify_module
 from seqpipe.pipe import check_chunks
 from seqpipe.schedule import (
     AnySchedule,
@@ -123,6 +123,7 @@ class DistributedPipe(nn.Module):
             raise ValueError("device='meta' holds no values to train; give the stage a real "
                              "device (build the model on meta instead: each rank then "
                              "materialises its own layers on its device)")
+        check_devices([self.device], what="device")
         self.base_seed = base_seed
         self.broadcast_buffers = bool(broadcast_buffers)
         self.balance = self._resolve_balance(module, balance)
