@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import pathlib
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -183,32 +182,23 @@ StepFn = Callable[[Tensor, Tensor], float]
 
 
 def unpipelined_rate(model: nn.Sequential, device: torch.device, args: argparse.Namespace,
-                     steps: int = 3, threads: Optional[int] = None) -> float:
+                     steps: int = 3) -> float:
     """Samples/s of a copy of ``model``, unpipelined on ``device``, over ``steps`` steps
-    (after one warm-up) of the demo's data: what pipelining is compared with.
-
-    ``threads``: PyTorch's intra-op threads meanwhile (a process of a distributed run has
-    a share of the cores; the unpipelined run would have them all).
-    """
+    (after one warm-up) of the demo's data: what pipelining is compared with."""
     plain = copy.deepcopy(model).to(device)
     optimizer = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        start, seen = 0.0, 0
-        for step, (images, labels) in enumerate(make_data(steps + 1, args.batch, seed=1)):
-            if step == 1:
-                start = time.perf_counter()
-            optimizer.zero_grad()
-            loss_fn(plain(images.to(device)), labels.to(device)).backward()
-            optimizer.step()
-            seen += len(images) if step else 0
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return seen / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
+    start, seen = 0.0, 0
+    for step, (images, labels) in enumerate(make_data(steps + 1, args.batch, seed=1)):
+        if step == 1:
+            start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(plain(images.to(device)), labels.to(device)).backward()
+        optimizer.step()
+        seen += len(images) if step else 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return seen / (time.perf_counter() - start)
 
 
 def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
@@ -258,6 +248,9 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     if args.processes is not None:
         from seqpipe.launch import spawn_local
 
+        torch.manual_seed(args.seed)
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        args.baseline = unpipelined_rate(build_model(), device, args)  # with every core
         spawn_local(args.processes, run_distributed, args)
         return float("nan")
     torch.manual_seed(args.seed)
@@ -310,13 +303,11 @@ def run_distributed(args: argparse.Namespace) -> float:
     torch.manual_seed(args.seed)
     model = build_model()
     balance = torch.zeros(num_stages(args.schedule, world), dtype=torch.int64, device=device)
-    baseline = float("nan")
+    baseline = getattr(args, "baseline", float("nan"))  # measured by the launcher, if any
     if rank == 0:
         chosen = choose_balance(args.balance_by, len(balance), model,
                                 sample_batch(args.batch, args.seed), args.chunks)
         balance.copy_(torch.tensor(chosen))
-        baseline = unpipelined_rate(model, device, args,
-                                    threads=os.cpu_count() if device.type == "cpu" else None)
     dist.broadcast(balance, src=0)
     if rank == 0:
         noun = "process" if world == 1 else "processes"
