@@ -46,6 +46,7 @@ _OUTLINE = "an outline: `nn.Sequential(...)` or `...` stands for the reader's mo
 SKIP: Dict[Tuple[str, str], str] = {
     ("README.md", 'devices=["cuda:0", "cuda:1"], chunks=8)  # or'): _GPUS,
     ("README.md", "pipe = DistributedPipe(model, chunks=8"): _PROCESSES,
+    ("README.md", "def token_sum(logits, labels):"): _PROCESSES,
     ("docs/balance.md", "model = nn.Sequential(...)"): _OUTLINE,
     ("docs/balance.md", "TransformerBlock() for _ in range(24)"): _OUTLINE,
     ("docs/balance.md", 'times = profile_times(model, sample, timeout=2.0, device="cuda:0")'):
@@ -56,7 +57,7 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/distributed.md", "# train_pipe.py"): _PROCESSES,
     ("docs/distributed.md", "pipe = DistributedPipe(model, chunks=2)"): _PROCESSES,
     ("docs/distributed.md", "from seqpipe.seeding import seed_layers"): _PROCESSES,
-    ("docs/distributed.md", "def summed(batch_size):"): _PROCESSES,
+    ("docs/distributed.md", "loss_fn, count_fn=count_fn)"): _PROCESSES,
     ("docs/distributed.md", "batch = (x, NoChunk(bias)"): _PROCESSES,
     ("docs/distributed.md", "pipe.eval()\nout = pipe(x if pipe.is_first else None)   # the "
                             "output on the last stage, None on the others"): _PROCESSES,
