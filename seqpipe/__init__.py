@@ -14,11 +14,13 @@ from seqpipe import _moved
 
 _moved.install()  # before anything can ask for a module by its path before the move
 
+from seqpipe.core.checkpoint import ReentrantCheckpointError  # noqa: E402
 from seqpipe.core.flags import is_checkpointing, is_recomputing  # noqa: E402
 from seqpipe.core.nochunk import NoChunk  # noqa: E402
 from seqpipe.pipe import Pipe  # noqa: E402
 
-__all__ = ["Pipe", "DistributedPipe", "NoChunk", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipe", "DistributedPipe", "NoChunk", "ReentrantCheckpointError", "is_checkpointing",
+           "is_recomputing"]
 __version__ = "0.1.0"
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.graph import GradientEdge
+from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 # torch_checkpoint imports torch._dynamo on its first call, which imports this module,
@@ -25,13 +27,50 @@ if torch.distributed.is_available():
 
 from seqpipe.core.flags import flag, is_checkpointing, is_recomputing
 from seqpipe.core.rng import isolated_rng
+from seqpipe.core.split_backward import reachable
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
 
-__all__ = ["MODES", "Replay", "check_mode", "checkpoint_stop", "checkpointed", "first_pass",
-           "is_checkpointing", "is_recomputing", "run_task"]
+__all__ = ["MODES", "ReentrantCheckpointError", "Replay", "check_mode", "checkpoint_stop",
+           "checkpointed", "first_pass", "is_checkpointing", "is_recomputing",
+           "refusing_reentrant", "run_task"]
 
 MODES = ("always", "except_last", "never")
+
+class ReentrantCheckpointError(RuntimeError):
+    """A layer checkpoints itself with ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=True)``, whose backward seqpipe cannot run.
+
+    Each stage backpropagates into its own inputs and parameters only
+    (``torch.autograd.backward(..., inputs=...)``), so that its gradients go where the
+    schedule says (a split backward's ``I`` and ``W`` included); the reentrant form runs a
+    backward of its own inside, which torch refuses under ``inputs``. The non-reentrant
+    form (``use_reentrant=False``) works under every schedule and checkpoint mode.
+    """
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(
+            f"a layer of stage {stage} checkpoints itself with torch.utils.checkpoint."
+            f"checkpoint(..., use_reentrant=True), whose backward cannot run in a pipeline "
+            f"stage (each stage backpropagates with autograd.backward(inputs=...), which the "
+            f"reentrant form refuses); pass use_reentrant=False (for a Hugging Face model: "
+            f"gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': "
+            f"False}})), or leave recomputation to the pipe's own checkpoint= argument")
+
+
+@contextmanager
+def refusing_reentrant(stage: int, roots: Sequence[GradientEdge]) -> Iterator[None]:
+    """Around a backward of stage ``stage`` from ``roots``: torch's refusal to run a reentrant
+    ``torch.utils.checkpoint`` under ``inputs=`` becomes a ``ReentrantCheckpointError``
+    naming the fix. The graph is searched only once a backward has failed."""
+    try:
+        yield
+    except RuntimeError as error:
+        if any(getattr(node, "_forward_cls", None) is CheckpointFunction
+               for node in reachable(roots)):
+            raise ReentrantCheckpointError(stage) from error
+        raise
+
 
 def check_mode(mode: object) -> str:
     """Validate a ``checkpoint`` argument."""

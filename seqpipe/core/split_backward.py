@@ -41,7 +41,7 @@ from torch.overrides import has_torch_function
 
 from seqpipe.core.saved import SavedTensors
 
-__all__ = ["SplitBackward", "autograd_inputs"]
+__all__ = ["SplitBackward", "autograd_inputs", "reachable"]
 
 Node = Any  # torch.autograd.graph.Node
 
@@ -65,8 +65,9 @@ def _walk(roots: Sequence[Node], target: Node) -> Dict[Node, bool]:
     return reaches
 
 
-def _below(edges: Sequence[GradientEdge]) -> List[Node]:
-    """Every node reachable through ``edges`` (the weight path behind a boundary node)."""
+def reachable(edges: Sequence[GradientEdge]) -> List[Node]:
+    """Every node reachable through ``edges`` (the weight path behind a boundary node; a
+    stage's whole graph from its roots)."""
     seen: Dict[Node, None] = {}
     stack = [e.node for e in edges]
     while stack:
@@ -128,7 +129,7 @@ class SplitBackward:
         weight_path: List[Node] = []
         for root, grad in zip(self.roots, self.grads):
             if root.node not in path:
-                below = _below([root])
+                below = reachable([root])
                 self.off_path.append((root, grad, _leaves(below)))
                 weight_path += below
         for node in path:
@@ -137,7 +138,7 @@ class SplitBackward:
             edges = [GradientEdge(c, nr) for c, nr in node.next_functions
                      if c is not None and c not in path]
             if edges:
-                below = _below(edges)
+                below = reachable(edges)
                 self.leaves[node] = _leaves(below)
                 weight_path += [node, *below]
         handles = [node.register_prehook(self._keeper(node)) for node in self.leaves]

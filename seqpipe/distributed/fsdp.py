@@ -25,7 +25,7 @@ and whichever ``reshard_after_forward`` the user chose; no ``GradSink`` aliases 
 parameters (their hooks would never see the unsharded leaves). What is not supported yet is
 refused by ``check_supported`` with the limitation named: tensor parallelism and HSDP (a
 parameter ``DTensor`` on a mesh of more than one dimension, or not managed by FSDP), weights
-tied across ranks, ``schedule="auto"`` and ``PipeGradScaler``.
+tied across ranks, ``schedule="auto"``, ``PipeGradScaler`` and ``count_fn``.
 """
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class ShardedStep:
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
 
-    def check(self, *, auto: bool, scaled: bool, tied: bool) -> None:
+    def check(self, *, auto: bool, scaled: bool, tied: bool, counted: bool) -> None:
         """Refuse what is not supported with sharded stages yet, naming it."""
         for s, stage in self.all.items():
             sharded = self.stages.get(s)
@@ -169,7 +169,9 @@ class ShardedStep:
             return
         stages = sorted(self.stages)
         for unsupported, what in ((auto, "schedule='auto'"), (scaled, "PipeGradScaler"),
-                                  (tied, "weights tied across ranks")):
+                                  (tied, "weights tied across ranks"),
+                                  (counted, "count_fn (its count is not summed over the "
+                                            "FSDP mesh)")):
             if unsupported:
                 raise NotImplementedError(
                     f"stages {stages} are sharded with FSDP2 (fully_shard), which "

@@ -6,9 +6,11 @@ once. 1F1B and the zero-bubble schedules start a micro-batch's backward as soon 
 forward ends, which needs its loss there and then; so ``train_step`` takes the target and
 the loss function and runs the whole step, forwards and backwards in the schedule's order
 (``LocalPipeline.train_step``, each action run by ``seqpipe.core.tasks`` as on a rank of
-``DistributedPipe``). The mini-batch loss is that of ``DistributedPipe.train_step``: the
-micro-batch losses weighted by micro-batch size, so for a mean-reduced ``loss_fn`` it and
-the gradients are those of ``loss_fn(model(input), target)``.
+``DistributedPipe``). The mini-batch loss is that of ``DistributedPipe.train_step``
+(``seqpipe.core.loss_weights``): the micro-batch losses weighted by micro-batch size, so for
+a mean-reduced ``loss_fn`` it and the gradients are those of ``loss_fn(model(input),
+target)``; or, with ``count_fn``, the summed losses over the mini-batch's count (summed
+over the ``DistributedDataParallel`` replicas under ``ddp``).
 
 The gradients reach the parameters as they do after ``forward`` + ``backward``: the stages
 accumulate into one ``GradSink``, and the sums are handed to autograd once, through an
@@ -28,8 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe.core.checkpoint import checkpoint_stop
+from seqpipe.core.loss_weights import CountFn, Replicas, loss_weights
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather_grad
-from seqpipe.core.tasks import LossFn, split_target
+from seqpipe.core.tasks import LossFn
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.schedule import (
     Action,
@@ -42,7 +45,7 @@ from seqpipe.schedule import (
 )
 from seqpipe.schedule.protocol import staged_orders
 
-__all__ = ["TrainStep", "input_grad", "local_actions"]
+__all__ = ["TrainStep", "ddp_replicas", "input_grad", "local_actions"]
 
 ONE_STAGE_SCHEDULES = ("fill_drain", "gpipe", "1f1b", "zb_h1", "zb_h2")
 
@@ -112,6 +115,14 @@ def input_grad(given: Input, j: int, microbatches: Sequence[Batch],
                        tensor.device)
 
 
+def ddp_replicas(ddp: nn.Module, device: torch.device) -> Replicas:
+    """The replicas of a ``DistributedDataParallel`` (its process group), for summing a
+    step's count over them; read through the group itself, so that the local engine
+    does not import ``torch.distributed``."""
+    group = ddp.process_group
+    return Replicas(group.size(), lambda total: group.allreduce([total]).wait(), device)
+
+
 class _Handoff(torch.autograd.Function):
     """Hands a finished step's gradients to autograd: one accumulation per parameter."""
 
@@ -130,11 +141,14 @@ class _Handoff(torch.autograd.Function):
 class TrainStep:
     """One ``Pipe.train_step``: the checked arguments, then the step and its results.
 
-    ``chunks`` and ``num_partitions``: the pipe's.
+    ``chunks`` and ``num_partitions``: the pipe's; ``count_fn`` and ``replicas``: see
+    ``seqpipe.core.loss_weights``.
     """
 
     def __init__(self, input: TensorOrTensors, target: Any, loss_fn: LossFn,
-                 schedule: Union[str, AnySchedule], *, chunks: int, num_partitions: int) -> None:
+                 schedule: Union[str, AnySchedule], count_fn: Optional[CountFn] = None,
+                 replicas: Optional[Replicas] = None, *, chunks: int,
+                 num_partitions: int) -> None:
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step computes gradients, but gradients are disabled "
                                "here (torch.no_grad() or inference_mode); for inference call "
@@ -146,7 +160,7 @@ class TrainStep:
         self.batch = self.input.batch
         self.microbatches = self.input.microbatches(chunks)
         m = len(self.microbatches)
-        self.targets, self.weights = split_target(target, m)
+        self.weights = loss_weights(target, m, count_fn, replicas)
         self.actions = local_actions(schedule, num_partitions, m)
         self.schedule = schedule
         self.loss_fn = loss_fn
@@ -159,10 +173,11 @@ class TrainStep:
         """Run the step on the pipe's ``pipeline`` under checkpoint ``mode`` (``"never"``
         outside training); return what hands the gradients of the pipe's ``parameters``
         (and inputs) over when backpropagated."""
-        run, self.loss = pipeline.train_step(
-            self.microbatches, self.targets, self.weights, self.loss_fn, self.actions,
-            checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)),
+        run, weighted = pipeline.train_step(
+            self.microbatches, self.weights.targets, self.weights.weights, self.loss_fn,
+            self.actions, checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)),
             schedule=self.schedule)
+        self.loss = self.weights.report(weighted)
         assert run.sink is not None
         self._sums = dict(run.sink.take())
         self._input_grads = run.input_grads
