@@ -5,8 +5,9 @@
 Runs 2 stages on 2 processes (no data parallelism), then 2 stages × 2 replicas on 4
 processes (the same per-replica mini-batch, gradients averaged over the replicas), gloo on
 loopback, one intra-op thread per process. Prints the median step time of each, their
-ratio, and how much of the 2×2 step was spent waiting for the gradient all-reduce after
-the last backward (the part the overlap did not hide).
+ratio, how much of the 2×2 step was spent waiting for the gradient all-reduce after
+the last backward (the part the overlap did not hide), and what the step's verdict (the
+8-byte all-reduce that tells replicas whether one failed) costs on its own, back to back.
 
 On a machine with fewer cores than processes the ratio also counts CPU contention (4
 processes share the cores); the exposed-wait column isolates the communication cost.
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from distributed_harness import free_port  # noqa: E402
 from seqpipe.distributed import DistributedPipe, mesh_groups  # noqa: E402
 from seqpipe.distributed.data_parallel import GradientReducer  # noqa: E402
+from seqpipe.distributed.replicas import Verdict  # noqa: E402
 
 
 def _model(width: int, layers: int) -> nn.Sequential:
@@ -58,9 +60,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dic
     if pipe._reducer is not None:
         finish = GradientReducer.finish
 
-        def timed(self: GradientReducer) -> None:
+        def timed(self: GradientReducer, where: str) -> None:
             start = time.perf_counter()
-            finish(self)
+            finish(self, where)
             waited.append(time.perf_counter() - start)
         pipe._reducer.finish = timed.__get__(pipe._reducer)  # type: ignore[method-assign]
     x = torch.randn(args.batch, args.width)
@@ -72,9 +74,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dic
                         nn.functional.mse_loss)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+    verdicts: List[float] = []
+    for _ in range(args.verdicts if dp is not None else 0):
+        start = time.perf_counter()
+        Verdict(dp, pipe.device).failures()
+        verdicts.append(time.perf_counter() - start)
     if rank == 0:
         out["step"] = statistics.median(times)
         out["wait"] = statistics.median(waited[args.warmup:]) if waited else 0.0
+        out["verdict"] = statistics.median(verdicts) if verdicts else 0.0
     dist.destroy_process_group()
 
 
@@ -93,6 +101,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--verdicts", type=int, default=200)
     args = parser.parse_args()
     alone = _run(2, args)
     both = _run(4, args)
@@ -104,6 +113,9 @@ def main() -> None:
           f"(ratio {both['step'] / alone['step']:.2f}x)")
     print(f"  exposed all-reduce wait after the last backward: {both['wait'] * 1e3:.1f} ms "
           f"({both['wait'] / both['step']:.1%} of the step)")
+    print(f"  the step's verdict alone (8-byte all-reduce over the replicas, median of "
+          f"{args.verdicts}): {both['verdict'] * 1e6:.0f} us "
+          f"({both['verdict'] / both['step']:.2%} of the step)")
 
 
 if __name__ == "__main__":

@@ -183,8 +183,10 @@ class CallLifecycle:
         """One ``DistributedPipe.train_step`` on this rank, ``seed`` its loss scale (or
         ``None``) and ``checkpoint`` the mode in force (``"never"`` in eval mode)."""
         self.transport.begin()
+        reducer = self.reducer
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
-                    seed=seed, timer=self.auto.timer() if self.auto else None)
+                    seed=seed, timer=self.auto.timer() if self.auto else None,
+                    replica=reducer.replica if reducer else None, reducer=reducer)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
         with self._dropping_statistics_on_failure():
             loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint)
@@ -200,7 +202,8 @@ class CallLifecycle:
                 chunks: int) -> Optional[TensorOrTensors]:
         """One ``DistributedPipe.forward`` on this rank (the caller turns off autograd)."""
         self.transport.begin()
-        call = Call(self.stages, self.transport, self.layout, self.placement, grad=False)
+        call = Call(self.stages, self.transport, self.layout, self.placement, grad=False,
+                    replica=self.reducer.replica if self.reducer else None)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
         with self._dropping_statistics_on_failure():
             output = self._forward(call, input, chunks)
@@ -250,16 +253,17 @@ class CallLifecycle:
             for stage in self.stages.values():
                 stage.finish_forward()
             loss = self.close(call, torch.stack(call.losses).sum() if self.is_last else None)
-            self._reduce()
+            self._reduce(call.name())
         assert loss is not None
         return loss
 
-    def _reduce(self) -> None:
-        """The end of a train step: the data-parallel mean (and buffer broadcast), then
-        the sum of the copies of weights tied across ranks."""
+    def _reduce(self, where: str) -> None:
+        """The end of a train step: the data-parallel mean (and buffer broadcast; a
+        ``PeerError`` naming it if a replica failed), then the sum of the copies of weights
+        tied across ranks. ``where``: this rank, as errors name it."""
         if self.reducer is not None:
             with hooks.span(EventKind.REDUCE, self.stage_index, what="data parallel"):
-                self.reducer.finish()
+                self.reducer.finish(where)
             if self.broadcast_buffers:
                 broadcast_buffers(self.partition, self.reducer.group)
         if self.tied is not None:

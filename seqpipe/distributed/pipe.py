@@ -171,7 +171,7 @@ class DistributedPipe(nn.Module):
         if data_parallel_group is not None:
             check_data_parallel_group(self.stage_index, fingerprint, data_parallel_group,
                                       self.device)
-            self._reducer = GradientReducer(data_parallel_group)
+            self._reducer = GradientReducer(data_parallel_group, self.device)
         self._tied: Optional[TiedCopies] = None
         if self.ties:
             self._tied = TiedCopies(self.ties, dict(self.named_parameters(remove_duplicate=False)),
