@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed_harness import Failures, run_workers
-from seqpipe.distributed import DistributedPipe, PeerError
+from seqpipe.distributed import DistributedPipe, PeerError, inflight
 
 
 class Boom(nn.Module):
@@ -135,6 +136,62 @@ def _stalled(rank: int, world: int) -> None:
 
 def test_stalled_rank_raises_within_the_group_timeout() -> None:
     run_workers(_stalled, 3, timeout=90, pg_timeout=4)
+
+
+class Slow(nn.Module):
+    """An identity that sleeps in its first forward."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds, self.calls = seconds, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(self.seconds)
+        return x
+
+
+def _exits_at_once(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Boom(4), Slow(0.6), nn.Linear(4, 4))
+    pipe = DistributedPipe(model, chunks=4, balance=[2, 2], schedule="fill_drain",
+                           checkpoint="never")
+    dist.barrier()
+    if rank == 0:  # fails in its 4th forward, while stage 1 sleeps in its first
+        with pytest.raises(ZeroDivisionError):
+            _step(pipe, rank, world)
+        return  # and ends at once, through the interpreter's teardown
+    with pytest.raises(PeerError) as info:
+        _step(pipe, rank, world)
+    assert "stage 0 failed in the forward of micro-batch 3" in str(info.value), info.value
+
+
+def test_the_news_arrives_when_the_failing_rank_exits_at_once() -> None:
+    """The failing rank raises without waiting for its abort to go out; when its process
+    then ends, the abort still arrives (kept alive: dropped, stage 1 would report a lost
+    stage 0). It cannot go out before the exit: stage 1 is busy and has not posted the
+    receive yet (it takes two earlier messages first)."""
+    run_workers(_exits_at_once, 2, timeout=120)
+
+
+def _sent_before_exit(rank: int, world: int) -> None:
+    group = dist.new_group([0, 1])
+    data = torch.full((4,), 7.0)
+    if rank == 0:  # sends, keeps the send in flight, and ends before the peer posts
+        inflight.keep([(dist.isend(data, 1, group=group), data)],
+                      patience=timedelta(seconds=20), group=group)
+        return
+    time.sleep(2.0)  # rank 0's process has reached its exit by now
+    received = torch.zeros(4)
+    dist.irecv(received, 0, group=group).wait()
+    assert torch.equal(received, data)
+
+
+def test_what_is_kept_in_flight_is_delivered_at_exit() -> None:
+    """A send kept by ``inflight.keep`` whose receiver posts only after the sender's
+    script has ended still arrives: the exit waits for it (up to its patience)."""
+    run_workers(_sent_before_exit, 2, timeout=120)
 
 
 # -- pipeline x data parallelism: a failure in one replica reaches every replica --------
