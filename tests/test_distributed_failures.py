@@ -5,6 +5,7 @@ import os
 import re
 import time
 from datetime import timedelta
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError, inflight
+from seqpipe.distributed.data_parallel import GradientReducer
 
 
 class Boom(nn.Module):
@@ -229,7 +231,7 @@ def _replica_scenario(name: str, replica: int) -> tuple:
     elif name == "middle stage":  # zbv: stage 1 of 4, on the replica's second rank
         schedule, balance = "zbv", [1, 1, 1, 1]
         layers[1] = Boom(2 if fails else 0)
-    elif name == "last backward":  # stage 0's last backward, after two buckets started
+    elif name == "last backward":  # stage 0's last backward, some buckets reducing
         layers = [nn.Linear(4, 4), Boom(4 if fails else 0, in_backward=True),
                   nn.Linear(4, 4), nn.Linear(4, 4)]
         balance = [3, 1]
@@ -238,6 +240,20 @@ def _replica_scenario(name: str, replica: int) -> tuple:
         if fails:
             layers[3].weight.register_post_accumulate_grad_hook(_raise_late)
     return nn.Sequential(*layers), schedule, balance, loss_fn
+
+
+def _conceded(reducer: GradientReducer) -> List[Tuple[int, int]]:
+    """Records, each time ``reducer`` concedes a failure before the step's verdict, how
+    many of its buckets' all-reduces had started, and of how many."""
+    record: List[Tuple[int, int]] = []
+    concede = reducer.concede
+
+    def spy(text: str) -> None:
+        if not reducer.concluded:
+            record.append((len(reducer.works), len(reducer.buckets)))
+        concede(text)
+    reducer.concede = spy  # type: ignore[method-assign]
+    return record
 
 
 # scenario: (stage that fails, its action, (stage, what it was at) of a peer of its replica)
@@ -259,6 +275,7 @@ def _replica_fails(rank: int, world: int) -> None:
         pipe = DistributedPipe(model, chunks=4, balance=balance, schedule=schedule,
                                checkpoint="never", group=pp, data_parallel_group=dp)
         pipe._reducer.bucket_bytes = 1  # a bucket per parameter: several all-reduces
+        conceded = _conceded(pipe._reducer)
         x = torch.randn(8, 4) if pipe.is_first else None
         y = torch.randn(8, 4) if pipe.is_last else None
         dist.barrier()
@@ -281,6 +298,12 @@ def _replica_fails(rank: int, world: int) -> None:
                             "heard it from replica 1" in text, f"{what}: {text}")
         if peer is not None and replica == 1 and pipe.rank == peer[0]:
             failures.expect(peer[1] in text, f"{what}: {text}")
+            begun, total = conceded[0]  # it heard after reducing everything
+            failures.expect(begun == total > 0, f"{what}: conceded at {conceded}")
+        if name == "last backward" and failing:  # it failed while some buckets reduced
+            begun, total = conceded[0]
+            failures.expect(0 < begun < total, f"{what}: conceded at {conceded}")
+        failures.expect(len(conceded) == replica, f"{what}: conceded {conceded}")
         times = [None] * world
         dist.all_gather_object(times, (raised - started, failing))
         elapsed = [t for t, _ in times]
