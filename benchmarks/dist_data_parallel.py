@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from distributed_harness import free_port  # noqa: E402
 from seqpipe.distributed import DistributedPipe, mesh_groups  # noqa: E402
 from seqpipe.distributed.data_parallel import GradientReducer  # noqa: E402
-from seqpipe.distributed.replicas import Verdict  # noqa: E402
+from seqpipe.distributed.verdict import Verdict  # noqa: E402
 
 
 def _model(width: int, layers: int) -> nn.Sequential:

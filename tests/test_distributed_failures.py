@@ -211,12 +211,21 @@ def _raise_late(param: torch.Tensor) -> None:
     raise ZeroDivisionError("boom in a weight gradient")
 
 
+def _count(y: torch.Tensor) -> int:
+    return y.numel()
+
+
+def _no_count(y: torch.Tensor) -> int:
+    raise ZeroDivisionError("boom in count_fn")
+
+
 def _replica_scenario(name: str, replica: int) -> tuple:
-    """``(model, schedule, balance, loss_fn)`` for scenario ``name``; replica 1 fails."""
+    """``(model, schedule, balance, loss_fn, count_fn)`` for scenario ``name``; replica 1
+    fails."""
     torch.manual_seed(0)
     fails = replica == 1
     layers = [nn.Linear(4, 4) for _ in range(4)]
-    loss_fn = nn.functional.mse_loss
+    loss_fn, count_fn = nn.functional.mse_loss, None
     schedule, balance = "1f1b", [2, 2]
     if name == "loss":  # the issue's recipe: loss_fn raises on micro-batch 2
         calls = [0]
@@ -239,7 +248,9 @@ def _replica_scenario(name: str, replica: int) -> tuple:
         schedule = "zb_h1"
         if fails:
             layers[3].weight.register_post_accumulate_grad_hook(_raise_late)
-    return nn.Sequential(*layers), schedule, balance, loss_fn
+    elif name == "count":  # count_fn raises: replica 0's last stage waits in the count's sum
+        count_fn = _no_count if fails else _count
+    return nn.Sequential(*layers), schedule, balance, loss_fn, count_fn
 
 
 def _conceded(reducer: GradientReducer) -> List[Tuple[int, int]]:
@@ -263,6 +274,7 @@ _REPLICA_FAILURES = {
     "middle stage": (1, "forward of micro-batch 1", None),
     "last backward": (0, "backward of micro-batch 3", None),
     "quiet tail": (1, "backward_weight of micro-batch 3", (0, "was at end of the step")),
+    "count": (1, "start of the step", None),
 }
 
 
@@ -271,7 +283,7 @@ def _replica_fails(rank: int, world: int) -> None:
     for name, (stage, action, peer) in _REPLICA_FAILURES.items():
         pp, dp = _mesh()
         replica = dist.get_rank(dp)
-        model, schedule, balance, loss_fn = _replica_scenario(name, replica)
+        model, schedule, balance, loss_fn, count_fn = _replica_scenario(name, replica)
         pipe = DistributedPipe(model, chunks=4, balance=balance, schedule=schedule,
                                checkpoint="never", group=pp, data_parallel_group=dp)
         pipe._reducer.bucket_bytes = 1  # a bucket per parameter: several all-reduces
@@ -281,7 +293,7 @@ def _replica_fails(rank: int, world: int) -> None:
         dist.barrier()
         started = time.monotonic()
         with pytest.raises(Exception) as info:
-            pipe.train_step(x, y, loss_fn)
+            pipe.train_step(x, y, loss_fn, count_fn=count_fn)
         raised = time.monotonic()  # the monotonic clock is the machine's: comparable
         failing = replica == 1 and pipe.rank == (1 if name == "middle stage" else stage)
         exc, what = info.value, f"{name}: rank {rank}"
@@ -318,8 +330,9 @@ def _replica_fails(rank: int, world: int) -> None:
 
 def test_a_failure_in_one_replica_reaches_every_replica() -> None:
     """2 stages x 2 replicas; replica 1 fails in its loss, a first forward, a middle stage
-    (zbv), a last backward with buckets already reducing, and a last weight gradient once
-    its replica's other stage has reduced everything. Every rank raises within seconds,
+    (zbv), a last backward with buckets already reducing, a last weight gradient once its
+    replica's other stage has reduced everything, and its count_fn (before the count's sum
+    over the replicas, the first collective of such a step). Every rank raises within seconds,
     naming the failing replica, stage and action; the failing rank first, with its own
     exception (it used to wait 2 s before raising). Replica 0 used to wait in the gradient
     all-reduce until replica 1's processes exited."""

@@ -16,7 +16,7 @@ says so: each bucket carries one count per parameter of the replicas that had a 
 for it, so a parameter no replica used keeps ``.grad`` at ``None``, as with DDP.
 
 A replica that fails in a step still joins the all-reduces the others wait in, and the
-step's verdict (``seqpipe.distributed.replicas``) tells every replica that it failed.
+step's verdict (``seqpipe.distributed.verdict``) tells every replica that it failed.
 
 The trainable parameters are followed at every step (``follow``): freezing or unfreezing
 a parameter after construction rebuilds the buckets. The buckets are a function of the
@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from seqpipe.distributed import replicas
+from seqpipe.core.loss_weights import Replicas
+from seqpipe.distributed import verdict
 from seqpipe.distributed.transport import PeerError
 
 __all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group"]
@@ -83,14 +84,23 @@ class GradientReducer:
         # parameter of the bucket had no gradient here.
         self.works: List[Tuple[dist.Work, Tensor, bool]] = []
         self.concluded = False  # this step's verdict started: the replicas hear no more
+        self.counting = False  # this step sums a count over the replicas, not done yet
 
-    def follow(self, params: Sequence[nn.Parameter]) -> None:
-        """Reduce exactly ``params`` (the trainable ones, in model order) from now on.
+    def replicas(self, device: torch.device) -> Replicas:
+        """The replicas, for summing a step's count over them (``seqpipe.core.loss_weights``)."""
+        def all_reduce(total: Tensor) -> None:
+            self.counting = False
+            dist.all_reduce(total, group=self.group)
+        return Replicas(self.size, all_reduce, device)
+
+    def follow(self, params: Sequence[nn.Parameter], counting: bool = False) -> None:
+        """Reduce exactly ``params`` (the trainable ones, in model order) from now on;
+        ``counting``: this step first sums a count over the replicas (``replicas``).
 
         Called at the start of every step; rebuilds the buckets when the list changed (a
         parameter was frozen or unfrozen). Every replica must pass the same list.
         """
-        self.concluded = False
+        self.concluded, self.counting = False, counting
         if [id(p) for p in params] == [id(p) for p in self.params]:
             return
         self.params = list(params)
@@ -146,10 +156,10 @@ class GradientReducer:
         self.armed = False
         self.concluded = True
         try:
-            verdict = replicas.Verdict(self.group, self.device)
+            news = verdict.Verdict(self.group, self.device)
             for work, _, _ in self.works:
                 work.wait()
-            failures = verdict.failures()
+            failures = news.failures()
         except RuntimeError as exc:
             raise PeerError(f"{where} lost a replica while averaging gradients over the "
                             f"data-parallel group: {type(exc).__name__}: {exc}") from exc
@@ -176,15 +186,21 @@ class GradientReducer:
     def concede(self, text: str) -> None:
         """This replica failed in this step (``text`` says where): join the all-reduces
         the other replicas wait in, and tell them, without waiting (see
-        ``seqpipe.distributed.replicas``). Nothing once the step's verdict has started."""
+        ``seqpipe.distributed.verdict``). Nothing once the step's verdict has started."""
         if self.concluded:
             return
         self.concluded, self.armed = True, False
+        started: List[Tuple[dist.Work, Tensor]] = []
         try:
+            if self.counting:  # the replicas' last stages sum a count first: add nothing
+                self.counting = False
+                count = torch.zeros((), dtype=torch.float64, device=self.device)
+                started.append((dist.all_reduce(count, group=self.group, async_op=True),
+                                count))
             for b in range(len(self.works), len(self.buckets)):
                 self._start(b)
-            replicas.concede(text, [(work, flat) for work, flat, _ in self.works],
-                             self.group, self.device)
+            started += [(work, flat) for work, flat, _ in self.works]
+            verdict.concede(text, started, self.group, self.device)
         except RuntimeError:  # the group itself failed: nobody to tell on it
             pass
         self.works = []

@@ -2,7 +2,7 @@
 
 A rank that fails tells the ranks that wait on it, and raises at once: its pipeline peers
 get an abort message (``Transport.abort``), its replicas the end-of-step collectives they
-wait in, saying so (``seqpipe.distributed.replicas``). Neither has necessarily arrived when
+wait in, saying so (``seqpipe.distributed.verdict``). Neither has necessarily arrived when
 the rank raises. A point-to-point send completes only once the peer has posted the matching
 receive (usually at once: a waiting peer posted it ahead; later if it is still busy), and a
 collective once every member has joined it, which a replica that is still computing does

@@ -12,8 +12,9 @@ So the end of every train step carries a verdict over the data-parallel group: o
 all-reduced integer, the number of replicas that failed, started after the call has
 closed on this rank (after the last point where news of a failure in its own pipeline can
 reach it) and overlapping the gradient all-reduces. A rank that fails in a step joins, at
-once and without waiting, the all-reduces its replica has not started, then the verdict
-with a 1, then an all-gather of its failure text (``concede``); every rank that reads a
+once and without waiting, the collectives its replica has not started (under ``count_fn``
+the count summed over the replicas' last stages, then the gradient all-reduces), then the
+verdict with a 1, then an all-gather of its failure text (``concede``); every rank that reads a
 non-zero verdict joins that all-gather and raises ``PeerError`` with the failing replicas'
 texts. Since each rank of a failing pipeline raises (the failure reaches all of them), every
 replica of every stage hears it. On the happy path this costs one all-reduce of 8 bytes per
@@ -55,15 +56,15 @@ class Verdict:
         return [(r, decode_text(t.tolist())) for r, t in enumerate(texts) if t[0] != 0]
 
 
-def concede(text: str, buckets: List[_Operation], group: dist.ProcessGroup,
+def concede(text: str, started: List[_Operation], group: dist.ProcessGroup,
             device: torch.device, patience: Optional[timedelta] = None) -> None:
     """This rank failed in the step: join the verdict with a 1 and the all-gather of
-    ``text``, after ``buckets`` (the gradient all-reduces the replicas still expect,
-    started by the caller), without waiting; ``seqpipe.distributed.inflight`` keeps them
-    until they complete."""
+    ``text``, after ``started`` (the collectives of the step the replicas still expect,
+    started by the caller: a count, the gradient all-reduces), without waiting;
+    ``seqpipe.distributed.inflight`` keeps them until they complete."""
     count = torch.ones(1, dtype=torch.int64, device=device)
     mine = encode_text(Kind.ABORT, text).to(device)
     texts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    operations = [*buckets, (dist.all_reduce(count, group=group, async_op=True), count),
+    operations = [*started, (dist.all_reduce(count, group=group, async_op=True), count),
                   (dist.all_gather(texts, mine, group=group, async_op=True), (mine, texts))]
     inflight.keep(operations, patience=patience, group=group)
