@@ -217,7 +217,8 @@ class Stage:
                 f"skip {sorted(name for _, name in missing)} is popped in a later partition "
                 f"but was not stashed in this call; a skippable layer must stash every "
                 f"name it declares each time it runs (stash None to send nothing)")
-        return Sent(Batch.of(out), outgoing)
+        last = self.index == self.layout.num_partitions - 1
+        return Sent(Batch.of(out, layer=type(self.partition[-1]).__name__, last=last), outgoing)
 
     def _forward_with_grad(self, received: Received, checkpoint: bool, seed: Optional[int],
                            sink: Optional[GradSink], replaying: bool = False,

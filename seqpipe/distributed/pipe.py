@@ -14,7 +14,7 @@ from seqpipe.core.batchnorm import convert_deferred_batch_norm
 from seqpipe.core.checkpoint import check_mode
 from seqpipe.core.loss_weights import CountFn
 from seqpipe.core.microbatch import TensorOrTensors
-from seqpipe.core.partition import check_balance, verify_module
+from seqpipe.core.partition import check_balance, check_devices, verify_module
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.agreement import check_same_model
 from seqpipe.distributed.auto import AutoRunner
@@ -124,6 +124,7 @@ class DistributedPipe(nn.Module):
             raise ValueError("device='meta' holds no values to train; give the stage a real "
                              "device (build the model on meta instead: each rank then "
                              "materialises its own layers on its device)")
+        check_devices([self.device], what="device")
         self.base_seed = base_seed
         self.broadcast_buffers = bool(broadcast_buffers)
         self.balance = self._resolve_balance(module, balance)
