@@ -13,17 +13,17 @@ all-reduced integer, the number of replicas that failed, started after the call 
 closed on this rank (after the last point where news of a failure in its own pipeline can
 reach it) and overlapping the gradient all-reduces. A rank that fails in a step joins, at
 once and without waiting, the collectives its replica has not started (under ``count_fn``
-the count summed over the replicas' last stages, then the gradient all-reduces), then the
-verdict with a 1, then an all-gather of its failure text (``concede``); every rank that reads a
-non-zero verdict joins that all-gather and raises ``PeerError`` with the failing replicas'
-texts. Since each rank of a failing pipeline raises (the failure reaches all of them), every
-replica of every stage hears it. On the happy path this costs one all-reduce of 8 bytes per
-step, and its read on the host (see docs/benchmarks.md, "A replica's failure").
+the count summed over the replicas' last stages, then the gradient all-reduces), then
+the verdict with a 1, then an all-gather of its failure text (``concede``); every rank
+that reads a non-zero verdict joins that all-gather and raises ``PeerError`` with the
+failing replicas' texts. Since each rank of a failing pipeline raises (the failure reaches
+all of them), every replica of every stage hears it. On the happy path this costs one
+all-reduce of 8 bytes per step, and its read on the host (see docs/benchmarks.md, "A
+replica's failure").
 """
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ class Verdict:
 
 
 def concede(text: str, started: List[_Operation], group: dist.ProcessGroup,
-            device: torch.device, patience: Optional[timedelta] = None) -> None:
+            device: torch.device) -> None:
     """This rank failed in the step: join the verdict with a 1 and the all-gather of
     ``text``, after ``started`` (the collectives of the step the replicas still expect,
     started by the caller: a count, the gradient all-reduces), without waiting;
@@ -67,4 +67,4 @@ def concede(text: str, started: List[_Operation], group: dist.ProcessGroup,
     texts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     operations = [*started, (dist.all_reduce(count, group=group, async_op=True), count),
                   (dist.all_gather(texts, mine, group=group, async_op=True), (mine, texts))]
-    inflight.keep(operations, patience=patience, group=group)
+    inflight.keep(operations, group=group)  # until they complete: the replicas join them
