@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from seqpipe.arguments import check_checkpoint_every, check_chunks
 from seqpipe.batchnorm import convert_deferred_batch_norm
 from seqpipe.checkpoint import check_mode, checkpoint_stop
+from seqpipe.graph.origin import Origin, model_output
 from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.partition import (
     Device,
@@ -146,6 +147,7 @@ class Pipe(nn.Module):
                   for i, (part, dev) in enumerate(zip(partitions, placed))]
         self._pipeline = LocalPipeline(stages, layout)
         self._pending: Optional[TrainStep] = None  # a train_step run by DDP's forward
+        self.origin: Optional[Origin] = getattr(module, "origin", None)  # see seqpipe.graph
 
     # -- the Sequential face -----------------------------------------------------------
     def __len__(self) -> int:
@@ -182,10 +184,11 @@ class Pipe(nn.Module):
 
     # -- running -----------------------------------------------------------------------
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
-        """Run the mini-batch through the pipeline; the output is on the last device."""
+        """Run the mini-batch through the pipeline; the output is on the last device (in the
+        model's own structure for a model converted by ``seqpipe.to_sequential``)."""
         if torch.compiler.is_compiling():
             warnings.warn(_COMPILE_WARNING, stacklevel=2)
-        return self._run(input)
+        return model_output(self.origin, self._run(input))
 
     def train_step(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *,
                    schedule: Union[str, AnySchedule] = "1f1b",

@@ -23,6 +23,7 @@ from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Transport
+from seqpipe.graph.origin import Origin, model_output
 from seqpipe.microbatch import TensorOrTensors
 from seqpipe.partition import check_balance, verify_module
 from seqpipe.pipe import check_chunks
@@ -144,6 +145,7 @@ class DistributedPipe(nn.Module):
                 drop_layer(layer, keep=partition)  # not ours: free it (but not what we share)
         self.layer_names: Tuple[str, ...] = tuple(name for n, (name, _) in enumerate(named)
                                                   if n in held)
+        self.origin: Optional[Origin] = getattr(module, "origin", None)  # see seqpipe.graph
         tied_on_meta = self._tied_on_meta()
         with ties_kept(partition):
             materialize([(n, name, layer) for n, (name, layer) in enumerate(named)
@@ -266,7 +268,7 @@ class DistributedPipe(nn.Module):
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
         """Inference: the output on the rank of the last stage (``is_last``), ``None`` on
         the others."""
-        return self._calls.forward(input, self.chunks)
+        return model_output(self.origin, self._calls.forward(input, self.chunks))
 
     def extra_repr(self) -> str:
         stages = ", ".join(map(str, self.stages))

@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from seqpipe.distributed.ties import canonical_names
 from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
 from seqpipe.graph.errors import ConversionError
@@ -93,7 +94,8 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     seq = ConvertedSequential(*layers)
     flat = pytree.tree_leaves((args, kwargs))
     seq.origin = Origin(type(model).__name__, traced.in_spec, traced.out_spec,
-                        {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)})
+                        {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)},
+                        canonical_names(model))
     return seq
 
 

@@ -9,20 +9,20 @@
   Face ``ModelOutput``, a dict, a tuple...);
 * a key of the converted model's ``state_dict()`` (``"3.transformer.h.0.mlp.c_fc.weight"``:
   the layer's index, then the key in the user's model) maps to the user's key and back
-  (``original_key``, used by ``seqpipe.distributed.checkpoint``).
+  (``original_key``, ``model_key``; used by ``seqpipe.distributed.checkpoint``).
 
 It knows no engine: it is plain data about the trace.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
-__all__ = ["Origin"]
+__all__ = ["Origin", "model_output"]
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Origin:
     in_spec: pytree.TreeSpec  # of (args, kwargs) as traced
     out_spec: pytree.TreeSpec  # of the model's output
     constants: Dict[int, Any]  # flat input position -> the non-tensor value traced with
+    first_names: Dict[str, str]  # a tied tensor's second key in the model -> its first
 
     def pipeline_input(self, *args: Any, **kwargs: Any) -> Tuple[Any, ...]:
         """The model's inputs as the flat tuple the converted ``nn.Sequential`` (and a
@@ -65,3 +66,17 @@ class Origin:
     def original_key(key: str) -> str:
         """``"3.transformer.h.0.ln_1.weight"`` -> ``"transformer.h.0.ln_1.weight"``."""
         return key.split(".", 1)[1] if "." in key else key
+
+    def model_key(self, key: str) -> str:
+        """The key a checkpoint of the user's model keeps for ``key`` of the converted one:
+        its original key, or for a tensor with several names there (tied weights), the
+        first of them (as the user's own ``state_dict()`` lists them)."""
+        original = self.original_key(key)
+        return self.first_names.get(original, original)
+
+
+def model_output(origin: Optional[Origin], output: Any) -> Any:
+    """A pipeline's ``output`` in the structure of the model its module was converted
+    from (``origin``); unchanged for a model written as an ``nn.Sequential`` (``origin``
+    None) and for a rank without output (``None``)."""
+    return output if origin is None or output is None else origin.rebuild(output)

@@ -68,7 +68,7 @@ def build_unit(index: int, layer: Layer, root: fx.GraphModule, free: Set[fx.Node
     env: Dict[fx.Node, fx.Node] = {}
     for node in layer.inputs:
         env[node] = graph.placeholder(f"in_{node.name}")
-    for name, node in layer.pops:
+    for _, node in layer.pops:
         env[node] = graph.placeholder(f"pop_{node.name}")
     first_tensor = next((env[n] for n in [*layer.inputs, *(v for _, v in layer.pops)]
                          if isinstance(n.meta.get("val"), torch.Tensor)), None)
