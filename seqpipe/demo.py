@@ -89,6 +89,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line of ``python -m seqpipe`` (``--help`` lists every option)."""
     parser = argparse.ArgumentParser(prog="python -m seqpipe", description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="cnn", choices=["cnn", "gpt2-tiny"],
+                        help="the demo model: a CNN written as an nn.Sequential, or a small "
+                             "GPT written freely and converted by seqpipe.to_sequential "
+                             "(local Pipe only)")
     parser.add_argument("--steps", type=_positive, default=30, help="training steps")
     parser.add_argument("--batch", type=_positive, default=32, help="mini-batch size")
     parser.add_argument("--chunks", type=_positive, default=4,
@@ -116,6 +120,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "and print its summary (without it: a one-line summary)")
     args = parser.parse_args(argv)
     layers = len(build_model())
+    if args.model != "cnn" and args.processes is not None:
+        parser.error(f"--model {args.model} runs in the local Pipe; leave out --processes")
     if args.processes is not None and args.partitions is not None:
         parser.error("--partitions is for the local Pipe; with --processes every process "
                      "is one stage: give one of them")
@@ -138,7 +144,8 @@ def _describe_stages(model: nn.Sequential, balance: Sequence[int],
                      devices: Sequence[object], noun: str) -> None:
     layers, start = list(model), 0
     for i, (count, device) in enumerate(zip(balance, devices)):
-        names = ", ".join(type(layer).__name__ for layer in layers[start:start + count])
+        names = ", ".join(getattr(layer, "unit", type(layer).__name__)  # a converted unit
+                          for layer in layers[start:start + count])
         print(f"  {noun} {i} on {device}: {names}")
         start += count
 
@@ -193,6 +200,10 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
 
         spawn_local(args.processes, run_distributed, args)
         return float("nan")
+    if args.model == "gpt2-tiny":
+        from seqpipe.demo_gpt2 import run_gpt2
+
+        return run_gpt2(args)
     torch.manual_seed(args.seed)
     partitions, devices = default_split()
     if args.partitions is not None:

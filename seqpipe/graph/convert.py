@@ -82,6 +82,9 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     args: Tuple[Any, ...] = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs: Dict[str, Any] = dict(example_kwargs or {})
     _check_batch(args, kwargs, dynamic_shapes)
+    # fresh tensors: export would guard on an example that is a view (``x[:, :-1]``)
+    # being one, and every input after it would fail that guard
+    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
     found = check_units(model, units)
     order = call_order(model, found, args, kwargs, explicit=units is not None)
     traced = trace(model, args, kwargs, found, order, dynamic_shapes)

@@ -35,7 +35,7 @@ class Unit(nn.Module):
     def __init__(self, unit: str) -> None:
         super().__init__()
         self.unit = unit
-        self._code: Callable[..., Tuple[Any, ...]] = _nothing
+        self._code: Callable[..., Tuple[Any, ...]] = _nothing  # generated: (self, *values)
         self._outputs = 0
 
     def forward(self, input: Any) -> Iterator[Any]:
@@ -43,7 +43,7 @@ class Unit(nn.Module):
         popped = []
         for name in self.pop_order:
             popped.append((yield pop(name)))
-        results = self._code(*items, *popped)
+        results = self._code(self, *items, *popped)
         outs = results[:self._outputs]
         for name, value in zip(self.stash_order, results[self._outputs:]):
             yield stash(name, value)
@@ -53,7 +53,7 @@ class Unit(nn.Module):
         return f"unit={self.unit!r}"
 
 
-def _nothing(*args: Any) -> Tuple[Any, ...]:
+def _nothing(self: nn.Module, *args: Any) -> Tuple[Any, ...]:
     return ()
 
 
@@ -107,9 +107,14 @@ def build_unit(index: int, layer: Layer, root: fx.GraphModule, free: Set[fx.Node
     cls.pop_order = tuple(n for n, _ in layer.pops)
     unit = cls(layer.unit)
     for attr in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
-        object.__setattr__(unit, attr, getattr(code, attr))  # one set of objects, shared
+        setattr(unit, attr, getattr(code, attr))  # the objects the code reads, at their paths
+    for node in graph.nodes:  # and the pytree specs it reads: constants of the class
+        if node.op == "get_attr" and "." not in str(node.target):
+            value = getattr(code, str(node.target))
+            if not isinstance(value, (torch.Tensor, nn.Module)):
+                setattr(cls, str(node.target), value)
     _hide_trace_tensors(unit, persistent)
-    unit._code = code.forward  # bound to ``code``, which reads its pytree specs from itself
+    unit._code = type(code).forward  # a plain function of the unit: copies stay whole
     unit._outputs = len(outs)
     unit.isolate(ns)
     return unit
