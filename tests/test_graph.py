@@ -86,10 +86,14 @@ def test_values_that_jump_ahead_are_skips_straight_from_their_layer() -> None:
     assert routes == {(0, "4"), (1, "3")}  # down1 -> up1, down2 -> up2
 
 
-def test_a_device_in_the_glue_follows_the_layer_input() -> None:
+def test_glue_devices_follow_the_input_and_fixed_sizes_are_checked_first() -> None:
     seq = to_sequential(build("gpt2"), *example("gpt2")[:2])
     code = inspect.getsource(seq[0]._code)
     assert "device(type='cpu')" not in code and "device = getattr_1" in code
+    ids = torch.randint(64, (4, 10))  # 12 tokens when traced
+    with pytest.raises(ValueError, match=r"does not fit the traced model \(Guard failed: "
+                                         r"input_ids.size\(\)\[1\] == 12\).*dynamic_shapes="):
+        seq(ids, attention_mask=torch.ones_like(ids), use_cache=False)
 
 
 class Branchy(nn.Module):
@@ -151,3 +155,4 @@ def test_a_fixed_input_changed_is_refused() -> None:
     seq = to_sequential(model, args, kwargs)
     with pytest.raises(ValueError, match=r"traced as the constant 2.0 and is now 3.0"):
         seq(*args, **{**kwargs, "scale": 3.0})
+

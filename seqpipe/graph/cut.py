@@ -73,7 +73,7 @@ def plan_layers(graph: fx.Graph, units: List[str]) -> Plan:
             continue
         if node.op == "call_module" and node.target in index:
             where[node] = index[node.target]
-        elif node.op == "placeholder":
+        elif node.op == "placeholder" or node.target == "_guards_fn":
             where[node] = 0
         else:
             users = [last if u is output else where[u] for u in node.users if u not in free]
@@ -92,8 +92,10 @@ def plan_layers(graph: fx.Graph, units: List[str]) -> Plan:
                 f"the traced glue computes {node.name} from unit {units[earliest[node]]!r} "
                 f"before that unit runs; the units' call order is not a pipeline order")
     layers = [Layer(unit) for unit in units]
+    guards = [n for n in nodes if n.op == "call_module" and n.target == "_guards_fn"]
+    layers[0].nodes.extend(guards)  # export's input checks, before anything reads an input
     for node in nodes:
-        if node in where:
+        if node in where and node not in guards:
             layers[where[node]].nodes.append(node)
     results = list(output.args[0])
     _route(layers, [n for n in nodes if n in where], where, free, output, results)

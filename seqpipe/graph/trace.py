@@ -81,6 +81,8 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
         for name in order:
             _swap(gm, name, units[name], signatures[name], renamed)
     _drop_unused(gm.graph)
+    if isinstance(getattr(gm, _GUARDS, None), nn.Module):
+        setattr(gm, _GUARDS, InputGuards(getattr(gm, _GUARDS)))
     legalize_graph(gm)
     gm.recompile()
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -159,6 +161,27 @@ def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
                 f"through its outputs. " + MEND)
     for node in reversed(nodes):
         graph.erase_node(node)
+
+
+_GUARDS = "_guards_fn"  # export's check of the inputs against the trace's assumptions
+
+
+class InputGuards(nn.Module):
+    """Export's input checks, failing with the mend: a ``ValueError`` instead of an
+    ``AssertionError`` deep in the glue (the first layer runs it before anything else)."""
+
+    def __init__(self, check: nn.Module) -> None:
+        super().__init__()
+        self.check = check
+
+    def forward(self, *args: Any) -> None:
+        try:
+            self.check(*args)
+        except AssertionError as exc:
+            raise ValueError(
+                f"the input does not fit the traced model ({exc}): a size other than the "
+                f"batch was fixed when tracing; declare it dynamic with to_sequential(..., "
+                f"dynamic_shapes=...), or convert again with an example of this size") from exc
 
 
 _PURE = (operator.getitem, pytree.tree_unflatten, fx_pytree.tree_flatten_spec)
