@@ -27,7 +27,7 @@ DOUBLE = dict(atol=1e-10, rtol=1e-8)
 
 
 def _train(world: int, name: str, converted: nn.Sequential, schedule: str,
-           failures: Failures) -> None:
+           failures: Failures) -> DistributedPipe:
     seq = copy.deepcopy(converted)  # a DistributedPipe frees the layers other ranks hold
     n = len(seq)
     stages = world * (2 if schedule.startswith("interleaved") else 1)
@@ -44,6 +44,7 @@ def _train(world: int, name: str, converted: nn.Sequential, schedule: str,
 
     train_both(name, step, params, build(name), world * 2,
                lambda a, b, what: failures.close(a, b, f"{schedule}: {what}"))
+    return pipe
 
 
 def _checkpoint(rank: int, converted: nn.Sequential, folder: str, failures: Failures) -> None:
@@ -86,7 +87,15 @@ def _two(rank: int, world: int, folder: str) -> None:
 
 def _three(rank: int, world: int) -> None:
     failures = Failures(rank, TOL["gpt2"])
-    _train(world, "gpt2", to_sequential(build("gpt2"), *example("gpt2")[:2]), "1f1b", failures)
+    seq = to_sequential(build("gpt2"), *example("gpt2")[:2])
+    pipe = _train(world, "gpt2", seq, "1f1b", failures)
+    args, kwargs, _ = example("gpt2")
+    out = pipe.eval()(seq.origin.pipeline_input(*args, **kwargs) if pipe.is_first else None)
+    if pipe.is_last:  # DistributedPipe.forward answers in the model's own structure
+        failures.expect(type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+                        and out.logits.shape == (6, 12, 64), f"forward gave {type(out)}")
+    else:
+        failures.expect(out is None, f"forward on stage {rank} gave {type(out)}")
     failures.finish()
 
 

@@ -266,8 +266,9 @@ class DistributedPipe(nn.Module):
 
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
-        """Inference: the output on the rank of the last stage (``is_last``), ``None`` on
-        the others."""
+        """Inference: the output on the rank of the last stage (``is_last``; in the model's
+        own structure for a model converted by ``seqpipe.to_sequential``), ``None`` on the
+        others."""
         return model_output(self.origin, self._calls.forward(input, self.chunks))
 
     def extra_repr(self) -> str:
