@@ -19,7 +19,8 @@ from seqpipe.pipe import Pipe
 from seqpipe.schedule import simulate
 from seqpipe.trace import Recorder, record
 
-__all__ = ["build_model", "make_data", "main", "parse_args", "run_distributed", "sample_batch"]
+__all__ = ["build_model", "local_devices", "make_data", "main", "parse_args", "run_distributed",
+           "sample_batch", "train_locally"]
 
 
 def build_model(num_classes: int = 10, width: int = 16) -> nn.Sequential:
@@ -205,31 +206,44 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
 
         return run_gpt2(args)
     torch.manual_seed(args.seed)
-    partitions, devices = default_split()
-    if args.partitions is not None:
-        partitions = args.partitions
-        devices = (devices * partitions)[:partitions] if devices[0] == "cpu" else devices
+    partitions, devices = local_devices(args)
     model = build_model()
     balance = choose_balance(args.balance_by, partitions, model,
                              sample_batch(args.batch, args.seed), args.chunks)
     pipe = Pipe(model, chunks=args.chunks, checkpoint=args.checkpoint,
-                deferred_batch_norm=True, balance=balance, devices=devices[:partitions])
+                deferred_batch_norm=True, balance=balance, devices=devices)
     print(f"seqpipe demo: {len(model)} layers split as balance={pipe.balance} "
           f"(by {args.balance_by}) over {[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(model, pipe.balance, pipe.devices, "partition")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
+    return train_locally(pipe, optimizer, nn.CrossEntropyLoss(),
+                         make_data(args.steps, args.batch, seed=args.seed), args)
 
-    def step(images: Tensor, labels: Tensor) -> float:
+
+def local_devices(args: argparse.Namespace) -> Tuple[int, List[str]]:
+    """The number of local partitions and their devices, from ``--partitions`` or the
+    default split."""
+    partitions, devices = default_split()
+    if args.partitions is not None:
+        partitions = args.partitions
+        devices = (devices * partitions)[:partitions] if devices[0] == "cpu" else devices
+    return partitions, devices[:partitions]
+
+
+def train_locally(pipe: Pipe, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Tensor],
+                  data: Iterator[Tuple[Tensor, Tensor]], args: argparse.Namespace) -> float:
+    """``args.steps`` steps of ``pipe.train_step`` under ``args.schedule``; print the loss,
+    the clock and the last step's trace; return the last loss."""
+
+    def step(inputs: Tensor, targets: Tensor) -> float:
         optimizer.zero_grad()
-        loss = pipe.train_step(images, labels.to(pipe.devices[-1]), loss_fn,
+        loss = pipe.train_step(inputs, targets.to(pipe.devices[-1]), loss_fn,
                                schedule=args.schedule)
         optimizer.step()
         return loss.item()
 
-    loss_value, recorder = _train(step, make_data(args.steps, args.batch, seed=args.seed),
-                                  args.steps, talk=True)
+    loss_value, recorder = _train(step, data, args.steps, talk=True)
     _print_schedule(args.schedule, len(pipe.balance), min(args.chunks, args.batch))
     _show_trace(recorder, args.trace)
     return loss_value

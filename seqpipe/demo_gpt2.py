@@ -77,47 +77,26 @@ def make_tokens(steps: int, batch: int, seed: int = 0) -> Iterator[Tuple[Tensor,
 
 def run_gpt2(args: argparse.Namespace) -> float:
     """Convert ``TinyGPT`` and train it in a ``Pipe`` (the local engine)."""
-    from seqpipe.demo import (
-        _describe_stages,
-        _print_schedule,
-        _show_trace,
-        _train,
-        choose_balance,
-        default_split,
-    )
+    from seqpipe.demo import _describe_stages, choose_balance, local_devices, train_locally
     from seqpipe.graph import to_sequential
     from seqpipe.pipe import Pipe
 
     torch.manual_seed(args.seed)
-    partitions, devices = default_split()
-    if args.partitions is not None:
-        partitions = args.partitions
-        devices = (devices * partitions)[:partitions] if devices[0] == "cpu" else devices
+    partitions, devices = local_devices(args)
     model = TinyGPT()
     sample = next(make_tokens(1, max(2, args.batch), args.seed))[0]
     seq = to_sequential(model, (sample,))
     balance = choose_balance(args.balance_by, partitions, seq, sample, args.chunks)
     pipe = Pipe(seq, chunks=args.chunks, checkpoint=args.checkpoint, balance=balance,
-                devices=devices[:partitions])
+                devices=devices)
     print(f"seqpipe demo: TinyGPT converted by to_sequential into {len(seq)} layers, "
           f"balance={pipe.balance} (by {args.balance_by}) over "
           f"{[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(seq, pipe.balance, pipe.devices, "partition")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
-    def step(ids: Tensor, target: Tensor) -> float:
-        optimizer.zero_grad()
-        loss = pipe.train_step(ids, target.to(pipe.devices[-1]), loss_fn,
-                               schedule=args.schedule)
-        optimizer.step()
-        return loss.item()
-
-    loss_value, recorder = _train(step, make_tokens(args.steps, args.batch, args.seed),
-                                  args.steps, talk=True)
-    _print_schedule(args.schedule, len(pipe.balance), min(args.chunks, args.batch))
-    _show_trace(recorder, args.trace)
-    return loss_value
+    return train_locally(pipe, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
+                         make_tokens(args.steps, args.batch, args.seed), args)
