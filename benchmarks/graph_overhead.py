@@ -3,7 +3,8 @@
 For each model, one training step (forward, loss, backward) of the converted
 ``nn.Sequential`` called as the model (``seq(*args, **kwargs)``: flatten the inputs, run
 the layers, rebuild the output) against the same step of the eager model, interleaved
-(``_common.interleave``), as the median of the per-round ratios; and the tracing time
+(``_common.interleave``), as the median of the per-round ratios of wall time and of process
+CPU time (steadier on a shared machine); and the tracing time
 (``to_sequential`` from start to end, one call). Target (issue 23): <= 1.03x for units of
 at least 1 ms. The models:
 
@@ -89,10 +90,11 @@ def measure(name: str, rounds: int, warmup: int) -> None:
     samples = interleave({"eager": eager, "converted": converted}, rounds=rounds,
                          warmup=warmup)
     ratio = paired_ratio(samples["converted"], samples["eager"])
+    cpu = paired_ratio(samples["converted"], samples["eager"], cpu=True)
     eager_ms = statistics.median(samples["eager"].wall) * 1e3
     print(f"{name:10s} units {len(seq):3d}  eager {eager_ms:8.2f} ms  converted "
           f"{statistics.median(samples['converted'].wall) * 1e3:8.2f} ms  "
-          f"ratio {ratio:.3f}  ({eager_ms / len(seq):.2f} ms per unit)  "
+          f"ratio wall {ratio:.3f} cpu {cpu:.3f}  ({eager_ms / len(seq):.2f} ms per unit)  "
           f"tracing {traced:.2f} s", flush=True)
 
 

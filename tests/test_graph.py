@@ -139,6 +139,10 @@ def test_errors_name_the_module_and_the_mend() -> None:
     with pytest.raises(ConversionError, match=r"the model's own forward calls "
                                               r"aten.dropout.default in the traced glue"):
         to_sequential(GlueDropout(), (x,))
+    with pytest.raises(ConversionError, match=r"module 'a' \(Linear\) holds parameters, buffers "
+                                              r"or train/eval behaviour but is not inside a "
+                                              r"unit.*add it to units="):
+        to_sequential(Twice(), (x,), units=["b"])  # 'a' would be traced into the glue
     with pytest.raises(ConversionError, match=r"units 'transformer' and 'transformer.h.0' "
                                               r"overlap"):
         to_sequential(build("gpt2"), *example("gpt2")[:2], units=["transformer", "transformer.h.0"])
