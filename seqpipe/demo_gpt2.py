@@ -77,18 +77,15 @@ def make_tokens(steps: int, batch: int, seed: int = 0) -> Iterator[Tuple[Tensor,
 
 def run_gpt2(args: argparse.Namespace) -> float:
     """Convert ``TinyGPT`` and train it in a ``Pipe`` (the local engine)."""
-    from seqpipe.demo import _describe_stages, choose_balance, local_devices, train_locally
+    from seqpipe.demo import _describe_stages, local_devices, local_pipe, train_locally
     from seqpipe.graph import to_sequential
-    from seqpipe.pipe import Pipe
 
     torch.manual_seed(args.seed)
     partitions, devices = local_devices(args)
     model = TinyGPT()
     sample = next(make_tokens(1, max(2, args.batch), args.seed))[0]
     seq = to_sequential(model, (sample,))
-    balance = choose_balance(args.balance_by, partitions, seq, sample, args.chunks)
-    pipe = Pipe(seq, chunks=args.chunks, checkpoint=args.checkpoint, balance=balance,
-                devices=devices)
+    pipe = local_pipe(seq, sample, partitions, devices, args)
     print(f"seqpipe demo: TinyGPT converted by to_sequential into {len(seq)} layers, "
           f"balance={pipe.balance} (by {args.balance_by}) over "
           f"{[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
@@ -99,4 +96,5 @@ def run_gpt2(args: argparse.Namespace) -> float:
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
     return train_locally(pipe, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
-                         make_tokens(args.steps, args.batch, args.seed), args)
+                         make_tokens(args.steps, args.batch, args.seed), args,
+                         threads=partitions)

@@ -1,7 +1,7 @@
 """One call of a distributed pipeline on one rank: its stages' actions, in schedule order.
 
 A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.run``
-(``seqpipe.tasks.Tasks``, shared with the local engine) dispatches each action by its phase
+(``seqpipe.core.tasks.Tasks``, shared with the local engine) dispatches each action by its phase
 (``F``, ``B``, ``I``, ``W``) to the stage it names, so no schedule has code of its own here;
 ``Call`` supplies the transport side. Data comes in through ``Transport`` messages
 (between two stages of one rank, in memory); whatever arrives before it is needed waits
@@ -35,19 +35,20 @@ from typing import (
 
 from torch import Tensor
 
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.sink import GradSink
+from seqpipe.core.stage import Grads, Received, Sent, Stage, TaskState, moved
+from seqpipe.core.tasks import LossFn, Tasks
 from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.auto import ActionTimer
+from seqpipe.distributed.fsdp import refuse_dtensors
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.distributed.values import check_values
-from seqpipe.microbatch import Batch
 from seqpipe.schedule import Action, Phase, Placement
-from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Grads, Received, Sent, Stage, TaskState, moved
-from seqpipe.tasks import LossFn, Tasks
 
 __all__ = ["Call", "LossFn", "describe"]
 
@@ -153,6 +154,7 @@ class Call(Tasks):
     def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
         """Queue a message to rank ``dst``; a failure to send is the peer's failure."""
+        refuse_dtensors(tensors, self.name(), _WHAT[kind])  # this stage's error, not the peer's
         if dst == self.rank:  # to a stage of this rank: cut from the graph, as if sent
             kept = tuple(t.detach() if t is not None else None for t in tensors)
             check_values(options.get("values", ()))  # what could not cross to another rank
