@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
@@ -22,7 +23,7 @@ from seqpipe.schedule import SCHEDULES, get_schedule, placement_of, simulate
 from seqpipe.trace import Recorder, record
 
 __all__ = ["build_model", "local_devices", "local_pipe", "make_data", "main", "parse_args",
-           "run_distributed", "sample_batch", "train_locally"]
+           "run_distributed", "run_gpt2", "sample_batch", "train_locally"]
 
 
 def build_model(num_classes: int = 10, width: int = 16) -> nn.Sequential:
@@ -262,8 +263,6 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
         spawn_local(args.processes, run_distributed, args)
         return float("nan")
     if args.model == "gpt2-tiny":
-        from seqpipe.demo_gpt2 import run_gpt2
-
         return run_gpt2(args)
     torch.manual_seed(args.seed)
     partitions, devices = local_devices(args)
@@ -320,6 +319,28 @@ def train_locally(pipe: Pipe, optimizer: torch.optim.Optimizer, loss_fn: Callabl
     _print_schedule(args.schedule, threads, min(args.chunks, args.batch), "thread")
     _show_trace(recorder, args.trace)
     return loss_value
+
+
+def run_gpt2(args: argparse.Namespace) -> float:
+    """``--model gpt2-tiny``: ``TinyGPT`` converted by ``to_sequential``, in a ``Pipe``."""
+    from seqpipe.demo_gpt2 import TinyGPT, make_tokens
+    from seqpipe.graph import to_sequential
+
+    torch.manual_seed(args.seed)
+    partitions, devices = local_devices(args)
+    model = TinyGPT()
+    sample = next(make_tokens(1, max(2, args.batch), args.seed))[0]
+    seq = to_sequential(model, (sample,))
+    pipe = local_pipe(seq, sample, partitions, devices, args)
+    print(f"seqpipe demo: TinyGPT converted by to_sequential into {len(seq)} layers, "
+          f"balance={pipe.balance} (by {args.balance_by}) over "
+          f"{[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
+          f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
+    _describe_stages(seq, pipe.balance, pipe.devices, "partition")
+    return train_locally(pipe, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+                         make_tokens(args.steps, args.batch, args.seed), args,
+                         threads=partitions)
 
 
 def run_distributed(args: argparse.Namespace) -> float:

@@ -1,5 +1,6 @@
-"""``python -m seqpipe --model gpt2-tiny``: a small GPT written as a free-form model,
-converted by ``seqpipe.to_sequential`` and trained in a ``Pipe``.
+"""The model and data of ``python -m seqpipe --model gpt2-tiny``: a small GPT written as a
+free-form model, which ``seqpipe.demo`` converts with ``seqpipe.to_sequential`` and trains
+in a ``Pipe``.
 
 The model is what people write (a Python loop over a ``ModuleList`` of blocks, positions
 made in ``forward``, the output head tied to the token embedding), not an
@@ -9,14 +10,13 @@ is learnable without any download.
 """
 from __future__ import annotations
 
-import argparse
 from typing import Iterator, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TinyGPT", "make_tokens", "run_gpt2"]
+__all__ = ["TinyGPT", "make_tokens"]
 
 VOCAB, LENGTH = 32, 16
 
@@ -73,28 +73,3 @@ def make_tokens(steps: int, batch: int, seed: int = 0) -> Iterator[Tuple[Tensor,
             tokens.append((tokens[-1] + 1) % VOCAB)
         seq = torch.stack(tokens, 1)
         yield seq[:, :-1], seq[:, 1:]
-
-
-def run_gpt2(args: argparse.Namespace) -> float:
-    """Convert ``TinyGPT`` and train it in a ``Pipe`` (the local engine)."""
-    from seqpipe.demo import _describe_stages, local_devices, local_pipe, train_locally
-    from seqpipe.graph import to_sequential
-
-    torch.manual_seed(args.seed)
-    partitions, devices = local_devices(args)
-    model = TinyGPT()
-    sample = next(make_tokens(1, max(2, args.batch), args.seed))[0]
-    seq = to_sequential(model, (sample,))
-    pipe = local_pipe(seq, sample, partitions, devices, args)
-    print(f"seqpipe demo: TinyGPT converted by to_sequential into {len(seq)} layers, "
-          f"balance={pipe.balance} (by {args.balance_by}) over "
-          f"{[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
-          f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
-    _describe_stages(seq, pipe.balance, pipe.devices, "partition")
-
-    def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-    return train_locally(pipe, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
-                         make_tokens(args.steps, args.batch, args.seed), args,
-                         threads=partitions)
