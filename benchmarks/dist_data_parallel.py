@@ -5,8 +5,10 @@
 Runs 2 stages on 2 processes (no data parallelism), then 2 stages × 2 replicas on 4
 processes (the same per-replica mini-batch, gradients averaged over the replicas), gloo on
 loopback, one intra-op thread per process. Prints the median step time of each, their
-ratio, and how much of the 2×2 step was spent waiting for the gradient all-reduce after
-the last backward (the part the overlap did not hide).
+ratio, how much of the 2×2 step was spent waiting for the gradient all-reduce after
+the last backward (the part the overlap did not hide), and what the step's verdict (the
+8-byte all-reduce that tells replicas whether one failed) costs: alone, back to back, and
+added to the stage's gradient all-reduce (with and without it, paired).
 
 On a machine with fewer cores than processes the ratio also counts CPU contention (4
 processes share the cores); the exposed-wait column isolates the communication cost.
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from distributed_harness import free_port  # noqa: E402
 from seqpipe.distributed import DistributedPipe, mesh_groups  # noqa: E402
 from seqpipe.distributed.data_parallel import GradientReducer  # noqa: E402
+from seqpipe.distributed.verdict import Verdict  # noqa: E402
 
 
 def _model(width: int, layers: int) -> nn.Sequential:
@@ -58,9 +61,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dic
     if pipe._reducer is not None:
         finish = GradientReducer.finish
 
-        def timed(self: GradientReducer) -> None:
+        def timed(self: GradientReducer, where: str) -> None:
             start = time.perf_counter()
-            finish(self)
+            finish(self, where)
             waited.append(time.perf_counter() - start)
         pipe._reducer.finish = timed.__get__(pipe._reducer)  # type: ignore[method-assign]
     x = torch.randn(args.batch, args.width)
@@ -75,7 +78,38 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dic
     if rank == 0:
         out["step"] = statistics.median(times)
         out["wait"] = statistics.median(waited[args.warmup:]) if waited else 0.0
+    if dp is not None:
+        alone, added = _verdict_costs(pipe, dp, args.verdicts)
+        if rank == 0:
+            out["verdict"], out["added"] = alone, added
     dist.destroy_process_group()
+
+
+def _verdict_costs(pipe: DistributedPipe, dp: dist.ProcessGroup, n: int) -> tuple:
+    """The step's verdict: its median time alone, back to back, and the median of what it
+    adds to this stage's gradient all-reduce (the same buckets, with and without it, in
+    alternating order, paired)."""
+    flats = [torch.cat([p.grad.reshape(-1) for p in bucket] + [torch.ones(len(bucket))])
+             for bucket in pipe._reducer.buckets]
+    alone: List[float] = []
+    added: List[float] = []
+    for i in range(n):
+        start = time.perf_counter()
+        Verdict(dp, pipe.device).failures()
+        alone.append(time.perf_counter() - start)
+        took = {}
+        for with_verdict in ((False, True) if i % 2 else (True, False)):
+            dist.barrier(group=dp)
+            start = time.perf_counter()
+            works = [dist.all_reduce(f, group=dp, async_op=True) for f in flats]
+            verdict = Verdict(dp, pipe.device) if with_verdict else None
+            for work in works:
+                work.wait()
+            if verdict is not None:
+                verdict.failures()
+            took[with_verdict] = time.perf_counter() - start
+        added.append(took[True] - took[False])
+    return statistics.median(alone), statistics.median(added)
 
 
 def _run(world: int, args: argparse.Namespace) -> Dict:
@@ -93,6 +127,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--verdicts", type=int, default=200)
     args = parser.parse_args()
     alone = _run(2, args)
     both = _run(4, args)
@@ -104,6 +139,10 @@ def main() -> None:
           f"(ratio {both['step'] / alone['step']:.2f}x)")
     print(f"  exposed all-reduce wait after the last backward: {both['wait'] * 1e3:.1f} ms "
           f"({both['wait'] / both['step']:.1%} of the step)")
+    print(f"  the step's verdict (8-byte all-reduce over the replicas), median of "
+          f"{args.verdicts}: alone {both['verdict'] * 1e6:.0f} us; added to the stage's "
+          f"gradient all-reduce {both['added'] * 1e6:.0f} us "
+          f"({both['added'] / both['step']:.2%} of the step)")
 
 
 if __name__ == "__main__":

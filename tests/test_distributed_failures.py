@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import os
+import re
 import time
+from datetime import timedelta
+from typing import List, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed_harness import run_workers
-from seqpipe.distributed import DistributedPipe, PeerError
+from distributed_harness import Failures, run_workers
+from seqpipe.distributed import DistributedPipe, PeerError, inflight
+from seqpipe.distributed.data_parallel import GradientReducer
 
 
 class Boom(nn.Module):
@@ -134,3 +138,202 @@ def _stalled(rank: int, world: int) -> None:
 
 def test_stalled_rank_raises_within_the_group_timeout() -> None:
     run_workers(_stalled, 3, timeout=90, pg_timeout=4)
+
+
+class Slow(nn.Module):
+    """An identity that sleeps in its first forward."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds, self.calls = seconds, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(self.seconds)
+        return x
+
+
+def _exits_at_once(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Boom(4), Slow(0.6), nn.Linear(4, 4))
+    pipe = DistributedPipe(model, chunks=4, balance=[2, 2], schedule="fill_drain",
+                           checkpoint="never")
+    dist.barrier()
+    if rank == 0:  # fails in its 4th forward, while stage 1 sleeps in its first
+        with pytest.raises(ZeroDivisionError):
+            _step(pipe, rank, world)
+        return  # and ends at once, through the interpreter's teardown
+    with pytest.raises(PeerError) as info:
+        _step(pipe, rank, world)
+    assert "stage 0 failed in the forward of micro-batch 3" in str(info.value), info.value
+
+
+def test_the_news_arrives_when_the_failing_rank_exits_at_once() -> None:
+    """The failing rank raises without waiting for its abort to go out; when its process
+    then ends, the abort still arrives (kept alive: dropped, stage 1 would report a lost
+    stage 0). It cannot go out before the exit: stage 1 is busy and has not posted the
+    receive yet (it takes two earlier messages first)."""
+    run_workers(_exits_at_once, 2, timeout=120)
+
+
+def _sent_before_exit(rank: int, world: int) -> None:
+    group = dist.new_group([0, 1])
+    data = torch.full((4,), 7.0)
+    if rank == 0:  # sends, keeps the send in flight, and ends before the peer posts
+        inflight.keep([(dist.isend(data, 1, group=group), data)],
+                      patience=timedelta(seconds=20), group=group)
+        return
+    time.sleep(2.0)  # rank 0's process has reached its exit by now
+    received = torch.zeros(4)
+    dist.irecv(received, 0, group=group).wait()
+    assert torch.equal(received, data)
+
+
+def test_what_is_kept_in_flight_is_delivered_at_exit() -> None:
+    """A send kept by ``inflight.keep`` whose receiver posts only after the sender's
+    script has ended still arrives: the exit waits for it (up to its patience)."""
+    run_workers(_sent_before_exit, 2, timeout=120)
+
+
+# -- pipeline x data parallelism: a failure in one replica reaches every replica --------
+def _mesh() -> tuple:
+    """Fresh groups of a 2 x 2 mesh, as ``mesh_groups`` lays it out: stage ``rank // 2``
+    of replica ``rank % 2`` (a new pair per scenario: a failed step's groups are spent)."""
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    stages = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return pipelines[rank % 2], stages[rank // 2]
+
+
+def _raise_late(param: torch.Tensor) -> None:
+    time.sleep(1.0)  # every other stage of the replica is done with its actions by now
+    raise ZeroDivisionError("boom in a weight gradient")
+
+
+def _count(y: torch.Tensor) -> int:
+    return y.numel()
+
+
+def _no_count(y: torch.Tensor) -> int:
+    raise ZeroDivisionError("boom in count_fn")
+
+
+def _replica_scenario(name: str, replica: int) -> tuple:
+    """``(model, schedule, balance, loss_fn, count_fn)`` for scenario ``name``; replica 1
+    fails."""
+    torch.manual_seed(0)
+    fails = replica == 1
+    layers = [nn.Linear(4, 4) for _ in range(4)]
+    loss_fn, count_fn = nn.functional.mse_loss, None
+    schedule, balance = "1f1b", [2, 2]
+    if name == "loss":  # the issue's recipe: loss_fn raises on micro-batch 2
+        calls = [0]
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if fails and calls[0] == 3:
+                raise ZeroDivisionError("boom in loss")
+            return nn.functional.mse_loss(out, y)
+    elif name == "first forward":  # stage 0, its very first action
+        layers[1] = Boom(1 if fails else 0)
+    elif name == "middle stage":  # zbv: stage 1 of 4, on the replica's second rank
+        schedule, balance = "zbv", [1, 1, 1, 1]
+        layers[1] = Boom(2 if fails else 0)
+    elif name == "last backward":  # stage 0's last backward, some buckets reducing
+        layers = [nn.Linear(4, 4), Boom(4 if fails else 0, in_backward=True),
+                  nn.Linear(4, 4), nn.Linear(4, 4)]
+        balance = [3, 1]
+    elif name == "quiet tail":  # the last W of stage 1, after stage 0 reduced everything
+        schedule = "zb_h1"
+        if fails:
+            layers[3].weight.register_post_accumulate_grad_hook(_raise_late)
+    elif name == "count":  # count_fn raises: replica 0's last stage waits in the count's sum
+        count_fn = _no_count if fails else _count
+    return nn.Sequential(*layers), schedule, balance, loss_fn, count_fn
+
+
+def _conceded(reducer: GradientReducer) -> List[Tuple[int, int]]:
+    """Records, each time ``reducer`` concedes a failure before the step's verdict, how
+    many of its buckets' all-reduces had started, and of how many."""
+    record: List[Tuple[int, int]] = []
+    concede = reducer.concede
+
+    def spy(text: str) -> None:
+        if not reducer.concluded:
+            record.append((len(reducer.works), len(reducer.buckets)))
+        concede(text)
+    reducer.concede = spy  # type: ignore[method-assign]
+    return record
+
+
+# scenario: (stage that fails, its action, (stage, what it was at) of a peer of its replica)
+_REPLICA_FAILURES = {
+    "loss": (1, "forward of micro-batch 2", None),
+    "first forward": (0, "forward of micro-batch 0", None),
+    "middle stage": (1, "forward of micro-batch 1", None),
+    "last backward": (0, "backward of micro-batch 3", None),
+    "quiet tail": (1, "backward_weight of micro-batch 3", (0, "was at end of the step")),
+    "count": (1, "start of the step", None),
+}
+
+
+def _replica_fails(rank: int, world: int) -> None:
+    failures = Failures(rank)
+    for name, (stage, action, peer) in _REPLICA_FAILURES.items():
+        pp, dp = _mesh()
+        replica = dist.get_rank(dp)
+        model, schedule, balance, loss_fn, count_fn = _replica_scenario(name, replica)
+        pipe = DistributedPipe(model, chunks=4, balance=balance, schedule=schedule,
+                               checkpoint="never", group=pp, data_parallel_group=dp)
+        pipe._reducer.bucket_bytes = 1  # a bucket per parameter: several all-reduces
+        conceded = _conceded(pipe._reducer)
+        x = torch.randn(8, 4) if pipe.is_first else None
+        y = torch.randn(8, 4) if pipe.is_last else None
+        dist.barrier()
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:
+            pipe.train_step(x, y, loss_fn, count_fn=count_fn)
+        raised = time.monotonic()  # the monotonic clock is the machine's: comparable
+        failing = replica == 1 and pipe.rank == (1 if name == "middle stage" else stage)
+        exc, what = info.value, f"{name}: rank {rank}"
+        text = " ".join(getattr(exc, "__notes__", [])) if failing else str(exc)
+        failures.expect(re.search(rf"stage {stage}( \(rank 1\))? of replica 1 failed in the "
+                                  rf"{action}", text) is not None,
+                        f"{what}: {type(exc).__name__}: {text}")
+        if failing:
+            failures.expect(isinstance(exc, ZeroDivisionError), f"{what}: {exc!r}")
+        else:
+            failures.expect(isinstance(exc, PeerError), f"{what}: {exc!r}")
+        if replica == 0:  # heard it over the data-parallel group
+            failures.expect("of replica 0 was at the end of the step" in text and
+                            "heard it from replica 1" in text, f"{what}: {text}")
+        if peer is not None and replica == 1 and pipe.rank == peer[0]:
+            failures.expect(peer[1] in text, f"{what}: {text}")
+            begun, total = conceded[0]  # it heard after reducing everything
+            failures.expect(begun == total > 0, f"{what}: conceded at {conceded}")
+        if name == "last backward" and failing:  # it failed while some buckets reduced
+            begun, total = conceded[0]
+            failures.expect(0 < begun < total, f"{what}: conceded at {conceded}")
+        failures.expect(len(conceded) == replica, f"{what}: conceded {conceded}")
+        times = [None] * world
+        dist.all_gather_object(times, (raised - started, failing))
+        elapsed = [t for t, _ in times]
+        first_peer = min(t for t, f in times if not f)
+        own = next(t for t, f in times if f)
+        failures.expect(max(elapsed) < 15, f"{name}: raised after {elapsed} s")
+        failures.expect(own <= first_peer + 1.0, f"{name}: the failing rank raised "
+                                                 f"after {own:.2f} s, a peer after "
+                                                 f"{first_peer:.2f} s")
+    failures.finish()
+
+
+def test_a_failure_in_one_replica_reaches_every_replica() -> None:
+    """2 stages x 2 replicas; replica 1 fails in its loss, a first forward, a middle stage
+    (zbv), a last backward with buckets already reducing, a last weight gradient once its
+    replica's other stage has reduced everything, and its count_fn (before the count's sum
+    over the replicas, the first collective of such a step). Every rank raises within seconds,
+    naming the failing replica, stage and action; the failing rank first, with its own
+    exception (it used to wait 2 s before raising). Replica 0 used to wait in the gradient
+    all-reduce until replica 1's processes exited."""
+    run_workers(_replica_fails, 4, timeout=300)

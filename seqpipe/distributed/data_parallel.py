@@ -15,6 +15,9 @@ A parameter that got no gradient on a replica takes part with zeros, and with a 
 says so: each bucket carries one count per parameter of the replicas that had a gradient
 for it, so a parameter no replica used keeps ``.grad`` at ``None``, as with DDP.
 
+A replica that fails in a step still joins the all-reduces the others wait in, and the
+step's verdict (``seqpipe.distributed.verdict``) tells every replica that it failed.
+
 The trainable parameters are followed at every step (``follow``): freezing or unfreezing
 a parameter after construction rebuilds the buckets. The buckets are a function of the
 model's parameters and their ``requires_grad``, so replicas that freeze the same
@@ -35,6 +38,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from seqpipe.core.loss_weights import Replicas
 from seqpipe.core.sink import step_aware
+from seqpipe.distributed import verdict
+from seqpipe.distributed.transport import PeerError
 
 __all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group"]
 
@@ -63,9 +68,11 @@ class GradientReducer:
     """Averages the trainable parameters' ``.grad`` over ``group``, overlapping with the
     stage's last backward of each step."""
 
-    def __init__(self, group: dist.ProcessGroup,
+    def __init__(self, group: dist.ProcessGroup, device: torch.device,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.group = group
+        self.device = device  # where the step's verdict is reduced
+        self.replica = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.bucket_bytes = bucket_bytes
         self.params: List[nn.Parameter] = []
@@ -77,18 +84,24 @@ class GradientReducer:
         # Started buckets, in bucket order: the work, the flat buffer, and whether some
         # parameter of the bucket had no gradient here.
         self.works: List[Tuple[dist.Work, Tensor, bool]] = []
+        self.concluded = False  # this step's verdict started: the replicas hear no more
+        self.counting = False  # this step sums a count over the replicas, not done yet
 
     def replicas(self, device: torch.device) -> Replicas:
         """The replicas, for summing a step's count over them (``seqpipe.core.loss_weights``)."""
-        return Replicas(self.size, lambda total: dist.all_reduce(total, group=self.group),
-                        device)
+        def all_reduce(total: Tensor) -> None:
+            self.counting = False
+            dist.all_reduce(total, group=self.group)
+        return Replicas(self.size, all_reduce, device)
 
-    def follow(self, params: Sequence[nn.Parameter]) -> None:
-        """Reduce exactly ``params`` (the trainable ones, in model order) from now on.
+    def follow(self, params: Sequence[nn.Parameter], counting: bool = False) -> None:
+        """Reduce exactly ``params`` (the trainable ones, in model order) from now on;
+        ``counting``: this step first sums a count over the replicas (``replicas``).
 
         Called at the start of every step; rebuilds the buckets when the list changed (a
         parameter was frozen or unfrozen). Every replica must pass the same list.
         """
+        self.concluded, self.counting = False, counting
         if [id(p) for p in params] == [id(p) for p in self.params]:
             return
         self.params = list(params)
@@ -134,14 +147,29 @@ class GradientReducer:
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self.works.append((work, flat, any(missing)))
 
-    def finish(self) -> None:
+    def finish(self, where: str) -> None:
         """Start the buckets still waiting (whose parameters did not all get a gradient in
-        the last backward), in order; wait for all and write back the averages."""
+        the last backward), in order, and the step's verdict; wait for all and write back
+        the averages. ``PeerError`` if another replica failed in this step (or was lost),
+        naming it; ``where`` names this rank in the message."""
         for b in range(len(self.works), len(self.buckets)):
             self._start(b)
         self.armed = False
-        for bucket, (work, flat, missing) in zip(self.buckets, self.works):
-            work.wait()
+        self.concluded = True
+        try:
+            news = verdict.Verdict(self.group, self.device)
+            for work, _, _ in self.works:
+                work.wait()
+            failures = news.failures()
+        except RuntimeError as exc:
+            raise PeerError(f"{where} lost a replica while averaging gradients over the "
+                            f"data-parallel group: {type(exc).__name__}: {exc}") from exc
+        if failures:
+            raise PeerError("\n".join(text for _, text in failures) + (
+                f"\n  {where} was at the end of the step, averaging gradients over the "
+                f"data-parallel group, and heard it from replica "
+                f"{', '.join(str(r) for r, _ in failures)}"))
+        for bucket, (_, flat, missing) in zip(self.buckets, self.works):
             *synced, used = _unflatten_dense_tensors(flat, [*bucket, flat[:len(bucket)]])
             # Whether any replica had each gradient: only asked (a device-to-host copy)
             # when this replica lacked one; otherwise this replica had them all.
@@ -154,6 +182,28 @@ class GradientReducer:
                     param.grad = grad.clone()  # its own tensor, not a view of the bucket
                 else:
                     param.grad.copy_(grad)
+        self.works = []
+
+    def concede(self, text: str) -> None:
+        """This replica failed in this step (``text`` says where): join the all-reduces
+        the other replicas wait in, and tell them, without waiting (see
+        ``seqpipe.distributed.verdict``). Nothing once the step's verdict has started."""
+        if self.concluded:
+            return
+        self.concluded, self.armed = True, False
+        started: List[Tuple[dist.Work, Tensor]] = []
+        try:
+            if self.counting:  # the replicas' last stages sum a count first: add nothing
+                self.counting = False
+                count = torch.zeros((), dtype=torch.float64, device=self.device)
+                started.append((dist.all_reduce(count, group=self.group, async_op=True),
+                                count))
+            for b in range(len(self.works), len(self.buckets)):
+                self._start(b)
+            started += [(work, flat) for work, flat, _ in self.works]
+            verdict.concede(text, started, self.group, self.device)
+        except RuntimeError:  # the group itself failed: nobody to tell on it
+            pass
         self.works = []
 
 

@@ -187,8 +187,10 @@ class CallLifecycle:
         ``None``), ``checkpoint`` the mode in force (``"never"`` in eval mode) and
         ``count_fn`` what normalises a summed loss (``seqpipe.core.loss_weights``)."""
         self.transport.begin()
+        reducer = self.reducer
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
-                    seed=seed, timer=self.auto.timer() if self.auto else None)
+                    seed=seed, timer=self.auto.timer() if self.auto else None,
+                    replica=reducer.replica if reducer else None, reducer=reducer)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
         with self._undoing_on_failure():
             loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint,
@@ -205,7 +207,8 @@ class CallLifecycle:
                 chunks: int) -> Optional[TensorOrTensors]:
         """One ``DistributedPipe.forward`` on this rank (the caller turns off autograd)."""
         self.transport.begin()
-        call = Call(self.stages, self.transport, self.layout, self.placement, grad=False)
+        call = Call(self.stages, self.transport, self.layout, self.placement, grad=False,
+                    replica=self.reducer.replica if self.reducer else None)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
         with self._undoing_on_failure():
             output = self._forward(call, input, chunks)
@@ -242,7 +245,8 @@ class CallLifecycle:
         sharded = ShardedStep(self.stages)  # stages the user wrapped with fully_shard
         with call.guard("start of the step"):
             if self.reducer is not None:
-                self.reducer.follow(self._trainable())  # requires_grad as of now
+                self.reducer.follow(self._trainable(),  # requires_grad as of now
+                                    counting=self.is_last and count_fn is not None)
             if self.tied is not None:
                 self.tied.set_aside()  # sum only what this step adds, of what is trained now
             batches, actions = self.open(call, input, chunks)
@@ -273,16 +277,17 @@ class CallLifecycle:
                 stage.finish_forward()
             loss = self.close(call, weights.report(torch.stack(call.losses).sum())
                               if self.is_last else None)
-            self._reduce()
+            self._reduce(call.name())
         assert loss is not None
         return loss
 
-    def _reduce(self) -> None:
-        """The end of a train step: the data-parallel mean (and buffer broadcast), then
-        the sum of the copies of weights tied across ranks."""
+    def _reduce(self, where: str) -> None:
+        """The end of a train step: the data-parallel mean (and buffer broadcast; a
+        ``PeerError`` naming it if a replica failed), then the sum of the copies of weights
+        tied across ranks. ``where``: this rank, as errors name it."""
         if self.reducer is not None:
             with hooks.span(EventKind.REDUCE, self.stage_index, what=What.DATA_PARALLEL):
-                self.reducer.finish()
+                self.reducer.finish(where)
             if self.broadcast_buffers:
                 broadcast_buffers(self.partition, self.reducer.group)
         if self.tied is not None:

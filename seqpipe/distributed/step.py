@@ -22,6 +22,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import (
+    TYPE_CHECKING,
     Any,
     ContextManager,
     Dict,
@@ -49,6 +50,9 @@ from seqpipe.distributed.values import check_values
 from seqpipe.schedule import Action, Phase, Placement
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
+
+if TYPE_CHECKING:
+    from seqpipe.distributed.data_parallel import GradientReducer
 
 __all__ = ["Call", "LossFn", "describe"]
 
@@ -81,6 +85,8 @@ class Call(Tasks):
     losses: List[Tensor] = field(default_factory=list)
     action: str = "the start of the step"
     timer: Optional[ActionTimer] = None  # times each stage computation (schedule="auto")
+    replica: Optional[int] = None  # this pipeline's index in the data-parallel group
+    reducer: Optional["GradientReducer"] = None  # told of a failure, for the replicas
 
     @property
     def rank(self) -> int:
@@ -95,8 +101,12 @@ class Call(Tasks):
         rank = self.rank if rank is None else rank
         held = self.placement.stages_of(rank)
         if self.placement.num_stages == self.placement.num_ranks:
-            return f"stage {held[0]}"
-        return f"rank {rank} (stages {', '.join(map(str, held))})"
+            return f"stage {held[0]}{self._of_replica}"
+        return f"rank {rank} (stages {', '.join(map(str, held))}){self._of_replica}"
+
+    @property
+    def _of_replica(self) -> str:
+        return "" if self.replica is None else f" of replica {self.replica}"
 
     def key_index(self, key: SkipKey) -> int:
         return [skip.key for skip in self.layout].index(key)
@@ -245,14 +255,18 @@ class Call(Tasks):
             who = self.name() if stage is None else f"stage {stage}"
             if stage is not None and self.placement.num_stages != self.placement.num_ranks:
                 who += f" (rank {self.rank})"
+            who += "" if stage is None else self._of_replica
             text = f"{who} failed in the {action}"
             self.abort(f"{text}: {type(exc).__name__}: {exc}")
             exc.add_note(f"seqpipe: {text}")
             raise
 
     def abort(self, text: str, heard_from: Optional[int] = None) -> None:
-        """Pass the news on to the stages still expecting a message from this one."""
+        """Pass the news on to the stages still expecting a message from this one, and
+        to this stage's replicas (under data parallelism); returns at once."""
         self.transport.abort(text, heard_from)
+        if self.reducer is not None:
+            self.reducer.concede(text)
 
 
 def describe(action: Action) -> str:

@@ -48,7 +48,6 @@ released then, and a 1F1B stage holds O(stages) sent activations, not O(micro-ba
 from __future__ import annotations
 
 import sys
-import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.distributed import inflight
 from seqpipe.distributed.shapes import SeenShapes
 from seqpipe.distributed.values import Values
 from seqpipe.distributed.wire import (
@@ -84,7 +84,6 @@ __all__ = ["Kind", "Message", "Transport", "PeerError", "HEADER_SLOTS"]
 Channel = Tuple[int, int]  # (sending stage, receiving stage)
 
 _Sent = Tuple[int, dist.Work, Tensor]  # taken_at, work, the buffer it must keep alive
-_abandoned: List[object] = []  # receives and sends left behind by a failed call
 
 
 class PeerError(RuntimeError):
@@ -368,10 +367,10 @@ class Transport:
 
         The news is one message (the text rides in the header), sized to fill what the
         peer posted for its next message from this stage, so a peer already waiting gets
-        all of it even if this process exits right after. It waits up to ``patience`` for
-        the sends to go out, polling rather than waiting with a timeout (gloo closes a
-        connection whose wait times out), and keeps unfinished sends and posted receives
-        alive (dropping one can cancel it); a dead peer cannot be told, and is skipped.
+        all of it at once. It returns without waiting for the sends: they, the call's
+        unfinished sends and its posted receives stay alive (dropping one can cancel it),
+        and if the process exits, it first gives the news up to ``patience`` to go out
+        (``seqpipe.distributed.inflight``); a dead peer cannot be told, and is skipped.
         The transport refuses further calls: their messages would meet this call's.
         """
         self.failure = text
@@ -382,13 +381,13 @@ class Transport:
                 self._isend(pack(header, [], size, self.device), stage, sys.maxsize)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
                 pass
-        pending = [entry for sent in self._pending.values() for entry in sent]
+        sent = [entry for entries in self._pending.values() for entry in entries]
+        inflight.keep([(w, b) for at, w, b in sent if at == sys.maxsize], patience=patience,
+                      group=self.group)
+        inflight.keep([(w, b) for at, w, b in sent if at != sys.maxsize] +
+                      [(p.work, p.buffer) for p in self._posted.values()], group=self.group,
+                      wanted=False)
         self._pending = defaultdict(list)
-        deadline = time.monotonic() + patience.total_seconds()
-        while time.monotonic() < deadline and not all(w.is_completed() for _, w, _ in pending):
-            time.sleep(0.005)
-        _abandoned.extend(pending)
-        _abandoned.extend(self._posted.values())
         self._posted.clear()
         self._incoming.clear()
         self._outgoing.clear()
