@@ -12,10 +12,13 @@ What runs, each ``--runs`` times:
   launch it), the others with ``python``. Blocks that are fragments (they use names they
   do not define, or need a GPU) are found by one trial run and listed as skipped;
 * ``examples/*.py`` (``train_distributed.py`` under ``torchrun``), with short settings;
-* ``python -m seqpipe --processes 2``, with short settings.
+* ``python -m seqpipe --processes 2``, with short settings;
+* ``benchmarks/import_order.py`` under ``torchrun``, importing seqpipe before
+  ``init_process_group`` (``import-order-first``) and after it (``import-order-late``).
 
     PYTHONPATH=$PWD python benchmarks/exit_soak.py --runs 20
     PYTHONPATH=$PWD python benchmarks/exit_soak.py --runs 100 --only seqpipe-processes-2
+    PYTHONPATH=$PWD python benchmarks/exit_soak.py --runs 40 --only import-order-{first,late}
 """
 from __future__ import annotations
 
@@ -70,6 +73,9 @@ def all_targets() -> List[Target]:
                [*TORCHRUN, str(examples / "train_distributed.py"), *SHORT]),
         Target("seqpipe-processes-2", [sys.executable, "-m", "seqpipe", "--processes", "2",
                                        *SHORT]),
+        *(Target(f"import-order-{order}", [*TORCHRUN, str(ROOT / "benchmarks" / "import_order.py"),
+                                           f"--seqpipe-import={order}"])
+          for order in ("first", "late")),
     ]
 
 

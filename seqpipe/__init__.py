@@ -10,6 +10,10 @@ from typing import Any
 from seqpipe.checkpoint import is_checkpointing, is_recomputing
 from seqpipe.nochunk import NoChunk
 from seqpipe.pipe import Pipe
+from seqpipe.teardown import unbind_default_group
+
+# Whatever the order of this import and init_process_group(): see seqpipe/teardown.py.
+unbind_default_group()
 
 __all__ = ["Pipe", "DistributedPipe", "NoChunk", "is_checkpointing", "is_recomputing"]
 __version__ = "0.1.0"

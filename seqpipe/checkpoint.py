@@ -15,15 +15,6 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-# torch_checkpoint imports torch._dynamo on its first call, which imports this module,
-# whose default arguments (``group=group.WORLD``) are evaluated on import: imported after
-# the user's init_process_group(), they would hold the default process group past
-# destroy_process_group() into the interpreter's teardown, where gloo can abort the
-# process. Imported now, before any group exists, they hold None. See "Ending a script"
-# in docs/distributed.md.
-if torch.distributed.is_available():
-    import torch.distributed.nn.functional  # noqa: F401
-
 from seqpipe.rng import isolated_rng
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind

@@ -225,7 +225,7 @@ class Pipe(nn.Module):
         assert step.loss is not None
         return step.loss
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, but imports torch._dynamo when called
     def _run(self, input: TensorOrTensors) -> TensorOrTensors:
         if self._pending is not None:  # train_step(..., ddp=...): DDP's forward runs it
             step, self._pending = self._pending, None
