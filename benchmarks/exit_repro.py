@@ -5,12 +5,12 @@ Each run is a 2-rank gloo script under ``torchrun``: ``init_process_group``, the
 that module's default arguments (``group=group.WORLD`` is evaluated at import), or (order
 ``first``) the same import before ``init_process_group``; one ``all_gather_object``;
 ``destroy_process_group()``; the interpreter's teardown. Every run also says whether the
-default group outlived ``destroy_process_group()`` (a weak reference to it, after a
-garbage collection). Under ``late`` it always does, and some runs abort at exit
-(``terminate called without an active exception``, SIGABRT): a gloo worker thread of the
-surviving group lets go of the all-gather's tensors during finalisation, needs the
-interpreter lock, and is ended by ``pthread_exit`` inside a ``noexcept`` destructor.
-Under ``first`` the group is freed (its threads joined) in ``destroy_process_group()``.
+default group outlived ``destroy_process_group()`` (a weak reference to it is alive).
+Under ``late`` it always does, and some runs abort at exit (``terminate called without an
+active exception``, SIGABRT): a gloo worker thread of the surviving group lets go of the
+all-gather's tensors during finalisation, needs the interpreter lock, and is ended by
+``pthread_exit`` inside a ``noexcept`` destructor. Under ``first`` the group is freed (its
+threads joined) in ``destroy_process_group()``.
 
     PYTHONPATH=$PWD python benchmarks/exit_repro.py --runs 40
 
@@ -19,7 +19,6 @@ seqpipe's side of it: seqpipe/teardown.py, and "Ending a script" in docs/distrib
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import weakref
 from typing import Optional, Sequence
@@ -42,8 +41,7 @@ def worker(order: str) -> None:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, dist.get_rank())
     dist.destroy_process_group()
-    gc.collect()
-    if default() is not None:
+    if default() is not None:  # no gc.collect() first: it gives gloo's threads time to finish
         print(OUTLIVED, file=sys.stderr, flush=True)
 
 
