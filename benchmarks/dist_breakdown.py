@@ -58,8 +58,8 @@ from dist_vs_torch_pipelining import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+import seqpipe.core.stage as seq_stage
 import seqpipe.distributed.step as seq_step
-import seqpipe.stage as seq_stage
 from seqpipe.distributed import DistributedPipe
 from seqpipe.distributed.transport import HEADER_SLOTS, Transport
 

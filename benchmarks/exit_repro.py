@@ -14,7 +14,7 @@ threads joined) in ``destroy_process_group()``.
 
     PYTHONPATH=$PWD python benchmarks/exit_repro.py --runs 40
 
-seqpipe's side of it: seqpipe/teardown.py, and "Ending a script" in docs/distributed.md.
+seqpipe's side of it: seqpipe/core/teardown.py, and "Ending a script" in docs/distributed.md.
 """
 from __future__ import annotations
 

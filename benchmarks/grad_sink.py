@@ -2,7 +2,7 @@
 
 In a local ``Pipe`` training call, every partition runs under the sink's
 ``TorchFunctionMode``, which hands autograd each parameter's alias (see
-``seqpipe/sink.py``): one Python call per torch operation of the forward. This script
+``seqpipe/core/sink.py``): one Python call per torch operation of the forward. This script
 times the same model's training step plainly and under ``GradSink.call`` (backward into
 the aliases, sums handed to ``.grad``), interleaved, so the difference is the sink alone
 (no threads, no micro-batches).
@@ -26,7 +26,7 @@ import torch
 from _common import clone, interleave, make_model, paired_ratio, paired_ratios, pin_malloc
 from torch import Tensor, nn
 
-from seqpipe.sink import GradSink
+from seqpipe.core.sink import GradSink
 
 
 def model_and_batch(name: str) -> Tuple[nn.Module, Tensor]:

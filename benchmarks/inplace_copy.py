@@ -35,7 +35,7 @@ from _common import (
 )
 
 from seqpipe import Pipe
-from seqpipe.stage import Stage
+from seqpipe.core.stage import Stage
 
 
 def without_copy(pipe: Pipe) -> Pipe:

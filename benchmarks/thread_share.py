@@ -3,7 +3,7 @@
 Issue 12, section 2: with torch's default intra-op thread count ``T`` (one per core), each
 of ``K`` stage threads used to run ``T``-thread kernels, ``K × T`` busy threads on ``T``
 cores. ``Pipe`` now gives each of the ``K`` concurrent CPU stages ``max(1, T // K)``
-(``seqpipe/thread_state.py``). This script times, interleaved in one process (see
+(``seqpipe/local/thread_state.py``). This script times, interleaved in one process (see
 ``_common``), a training step of the throughput model (8 × (Linear(1024) + ReLU), batch
 256, two equal ``cpu`` partitions, ``chunks`` micro-batches) as
 
@@ -29,7 +29,7 @@ import torch
 from _common import clone, interleave, machine, make_model, paired_ratio, pin_malloc, train_step
 from torch import nn
 
-import seqpipe.thread_state as thread_state
+import seqpipe.local.thread_state as thread_state
 from seqpipe import Pipe
 
 DEFAULT_THREADS = torch.get_num_threads()

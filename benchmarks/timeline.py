@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from _common import clone, make_model, pin_malloc, train_step
 
-import seqpipe.stage as stage_module
+import seqpipe.core.stage as stage_module
 from seqpipe import Pipe
 
 

@@ -2,20 +2,29 @@
 
 ``Pipe`` runs a model split over several devices in one process; ``DistributedPipe``
 (imported lazily, it pulls in ``torch.distributed``) runs one stage per process.
+The face lives here (``pipe``, ``demo``, ``launch``); the engines in ``seqpipe.local``
+and ``seqpipe.distributed``; what both share in ``seqpipe.core`` (docs/index.md).
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from seqpipe.checkpoint import is_checkpointing, is_recomputing
-from seqpipe.nochunk import NoChunk
-from seqpipe.pipe import Pipe
-from seqpipe.teardown import unbind_default_group
+from seqpipe import _moved
 
-# Whatever the order of this import and init_process_group(): see seqpipe/teardown.py.
+_moved.install()  # before anything can ask for a module by its path before the move
+
+from seqpipe.core.checkpoint import ReentrantCheckpointError  # noqa: E402
+from seqpipe.core.flags import is_checkpointing, is_recomputing  # noqa: E402
+from seqpipe.core.nochunk import NoChunk  # noqa: E402
+from seqpipe.core.teardown import unbind_default_group  # noqa: E402
+from seqpipe.pipe import Pipe  # noqa: E402
+
+# Whatever the order of this import and init_process_group(): see seqpipe/core/teardown.py.
 unbind_default_group()
 
-__all__ = ["Pipe", "DistributedPipe", "NoChunk", "is_checkpointing", "is_recomputing"]
+__all__ = ["Pipe", "DistributedPipe", "NoChunk", "ReentrantCheckpointError", "is_checkpointing",
+           "is_recomputing"]
 __version__ = "0.1.0"
 
 
@@ -24,4 +33,6 @@ def __getattr__(name: str) -> Any:
         from seqpipe.distributed import DistributedPipe
 
         return DistributedPipe
+    if f"seqpipe.{name}" in _moved.MOVED:  # seqpipe.batchnorm etc., by their old paths
+        return importlib.import_module(f"seqpipe.{name}")
     raise AttributeError(f"module 'seqpipe' has no attribute {name!r}")

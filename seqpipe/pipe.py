@@ -7,23 +7,25 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from seqpipe.arguments import check_checkpoint_every, check_chunks
-from seqpipe.batchnorm import convert_deferred_batch_norm
-from seqpipe.checkpoint import check_mode, checkpoint_stop
-from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather
-from seqpipe.partition import (
+from seqpipe.core.arguments import check_checkpoint_every, check_chunks
+from seqpipe.core.batchnorm import convert_deferred_batch_norm
+from seqpipe.core.checkpoint import check_mode, checkpoint_stop
+from seqpipe.core.loss_weights import CountFn
+from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
+from seqpipe.core.partition import (
     Device,
     refuse_meta,
     split_by_balance,
     split_by_placement,
     verify_module,
 )
-from seqpipe.pipe_step import TrainStep, input_grad
-from seqpipe.pipeline import LocalPipeline, LocalRun
+from seqpipe.core.stage import Stage
+from seqpipe.core.tasks import LossFn
+from seqpipe.local.pipeline import LocalPipeline
+from seqpipe.local.step import LocalRun
+from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
 from seqpipe.schedule import AnySchedule
 from seqpipe.skip.layout import inspect_skip_layout
-from seqpipe.stage import Stage
-from seqpipe.tasks import LossFn
 
 __all__ = ["Pipe"]
 
@@ -188,6 +190,7 @@ class Pipe(nn.Module):
         return self._run(input)
 
     def train_step(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *,
+                   count_fn: Optional[CountFn] = None,
                    schedule: Union[str, AnySchedule] = "1f1b",
                    ddp: Optional[nn.Module] = None) -> Tensor:
         """Forward and backward one mini-batch under ``schedule``; return its loss.
@@ -200,21 +203,29 @@ class Pipe(nn.Module):
         ``loss_fn(output, target)`` runs on each micro-batch's output and slice of
         ``target`` (cut like the input) on the last partition's device; the returned loss
         is their mean weighted by micro-batch size (``loss_fn`` on the whole batch, for a
-        mean-reduced one), detached. The gradients are added to ``.grad`` exactly as
-        ``loss_fn(pipe(input), target).backward()`` adds them (once per parameter, hooks
-        included); step the optimizer afterwards. With ``ddp``, the
-        ``DistributedDataParallel`` that wraps this pipe, the step runs through DDP's
+        mean-reduced one), detached. A loss averaged over counted items (tokens that are not
+        padding) needs ``count_fn``: then ``loss_fn`` returns each micro-batch's *sum*,
+        ``count_fn(target)`` the whole mini-batch's count (``(target != -100).sum()``), and
+        the loss and gradients are the sum over the mini-batch divided by that count (under
+        ``ddp``, by the count summed over the replicas), exactly. The gradients are added
+        to ``.grad`` exactly as ``loss_fn(pipe(input), target).backward()`` adds them
+        (once per parameter, hooks included); step the optimizer afterwards. With ``ddp``,
+        the ``DistributedDataParallel`` that wraps this pipe, the step runs through DDP's
         forward and its gradients are averaged over the replicas once: call
         ``ddp.module.train_step(x, y, loss_fn, ddp=ddp)``.
         """
-        step = TrainStep(self, input, target, loss_fn, schedule)
         if ddp is None:
-            handle = step.run(self)
+            step = TrainStep(input, target, loss_fn, schedule, count_fn, chunks=self.chunks,
+                             num_partitions=len(self.partitions))
+            handle = self._run_step(step)
         else:
             if getattr(ddp, "module", None) is not self:
                 raise ValueError("ddp must be the DistributedDataParallel that wraps this "
                                  "pipe (ddp.module is the pipe): call "
                                  "ddp.module.train_step(..., ddp=ddp)")
+            step = TrainStep(input, target, loss_fn, schedule, count_fn,
+                             ddp_replicas(ddp, self.devices[-1]), chunks=self.chunks,
+                             num_partitions=len(self.partitions))
             self._pending = step
             try:
                 handle = ddp(input)
@@ -225,11 +236,15 @@ class Pipe(nn.Module):
         assert step.loss is not None
         return step.loss
 
+    def _run_step(self, step: TrainStep) -> Tensor:
+        return step.run(self._pipeline, self.checkpoint if self.training else "never",
+                        self.parameters())
+
     @torch._disable_dynamo  # torch.compiler.disable, but imports torch._dynamo when called
     def _run(self, input: TensorOrTensors) -> TensorOrTensors:
         if self._pending is not None:  # train_step(..., ddp=...): DDP's forward runs it
             step, self._pending = self._pending, None
-            return step.run(self)
+            return self._run_step(step)
         given = Input.of(input)
         batch = given.batch
         params = [p for p in self.parameters() if p.requires_grad]

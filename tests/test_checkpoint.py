@@ -10,7 +10,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from seqpipe import Pipe, is_checkpointing, is_recomputing
-from seqpipe.stage import Stage
+from seqpipe.core.stage import Stage
 
 MODES = ["always", "except_last", "never"]
 

@@ -22,8 +22,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from distributed_harness import Failures, run_workers
 from seqpipe import Pipe, is_checkpointing, is_recomputing
+from seqpipe.core.stage import Stage
 from seqpipe.skip import pop, skippable, stash
-from seqpipe.stage import Stage
 
 MODES = ("always", "except_last", "never")
 EVERY = (1, 2, None)  # None: the whole partition, as without checkpoint_every

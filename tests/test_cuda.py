@@ -86,7 +86,7 @@ def test_pipe_on_a_side_stream_matches_and_keeps_its_copy_streams(devices: List[
     """The caller on a non-default stream: every stage and hand-off follows it (stages on
     one device share the stream, so no event is needed), and a device pair's copy streams
     are the same objects on every call, whatever thread makes the copy."""
-    from seqpipe.stream import _COPY_STREAMS
+    from seqpipe.core.stream import _COPY_STREAMS
 
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -99,7 +99,7 @@ def test_pipe_on_a_side_stream_matches_and_keeps_its_copy_streams(devices: List[
 
 @needs_two_gpus
 def test_copy_between_gpus_runs_on_the_pairs_streams() -> None:
-    from seqpipe.stream import _COPY_STREAMS, move
+    from seqpipe.core.stream import _COPY_STREAMS, move
 
     a = torch.randn(1 << 20, device="cuda:0")
     expected = a.cpu()

@@ -4,7 +4,7 @@ Imported after the group exists, ``torch.distributed.nn.functional`` (seqpipe im
 ``torch._dynamo``, which activation checkpointing imports on its first call, does too)
 binds the default group into its functions' default arguments, so the group outlives
 ``destroy_process_group()`` and a gloo worker thread of it can abort the interpreter's
-teardown (issue 21, item 8; seqpipe/teardown.py). The abort is rare and timing-dependent;
+teardown (issue 21, item 8; seqpipe/core/teardown.py). The abort is rare and timing-dependent;
 its deterministic witness is the group itself: ``run_workers`` fails a worker whose default
 group is still alive after ``destroy_process_group()``.
 

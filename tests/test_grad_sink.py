@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe import Pipe
-from seqpipe.sink import GradSink
+from seqpipe.core.sink import GradSink
 
 MODES = ("always", "except_last", "never")
 

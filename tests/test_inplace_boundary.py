@@ -2,7 +2,9 @@
 
 The received micro-batch is a checkpoint's input, which its recomputation needs intact:
 a first layer with ``inplace=True``, an in-place layer nested inside a block, or a custom
-layer calling ``x.mul_()`` must all give the plain model's outputs and gradients.
+layer calling ``x.mul_()`` must all give the plain model's outputs and gradients, whether
+``torch.utils.checkpoint`` recomputes the micro-batch or a split backward's ``I`` does
+(zero-bubble schedules, both engines).
 """
 from __future__ import annotations
 
@@ -48,11 +50,20 @@ def nested_block() -> nn.Module:
     return nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8))
 
 
+def nested_leaky() -> nn.Module:
+    """Not idempotent, unlike ReLU: applied twice to the same tensor, it shows."""
+    return nn.Sequential(nn.LeakyReLU(0.1, inplace=True), nn.Linear(8, 8))
+
+
 def custom_mul() -> nn.Module:
     return Doubles()
 
 
-SHAPES: List[Callable[[], nn.Module]] = [nested_block, custom_mul]
+SHAPES: List[Callable[[], nn.Module]] = [nested_block, nested_leaky, custom_mul]
+# Split backward (I then W), one and two stages per device: the balance puts the in-place
+# layer (layer 2 of _model) first in a partition.
+SPLIT = {"zb_h1": [2, 4], "zb_h2": [2, 4], "interleaved_zb": [1, 1, 2, 2], "zbv": [1, 1, 2, 2]}
+CHECKPOINTED = ("always", "except_last")
 
 
 def _model(head: Callable[[], nn.Module]) -> nn.Sequential:
@@ -79,17 +90,61 @@ def test_inplace_write_nested_or_custom_at_partition_start(
         torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("schedule", sorted(SPLIT))
+def test_inplace_write_at_partition_start_under_a_split_backward(schedule: str) -> None:
+    """A checkpointed micro-batch runs its forward without a graph and is recomputed at
+    its ``I``: that recomputation must start from the values the partition received."""
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    balance = SPLIT[schedule]
+    for head in SHAPES:
+        plain = _model(head)
+        expected_loss = nn.functional.mse_loss(plain(x), y)
+        expected_loss.backward()
+        for mode in CHECKPOINTED:
+            model = _model(head)
+            pipe = Pipe(model, chunks=4, checkpoint=mode, balance=balance,
+                        devices=["cpu"] * len(balance))
+            loss = pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)
+            torch.testing.assert_close(loss, expected_loss, atol=1e-12, rtol=1e-10)
+            for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10,
+                                           msg=f"{head.__name__}/{mode}/{name}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zb_h2"])
+def test_a_recomputation_leaves_the_received_tensors_unwritten(schedule: str) -> None:
+    """A checkpointed micro-batch copies its input in its recomputation too, as
+    ``torch.utils.checkpoint``'s does: the caller's input, which partition 0 receives, is
+    not written by a first layer ``x.mul_(2)``, whichever pass recomputes it."""
+    torch.manual_seed(2)
+    model = nn.Sequential(Doubles(), nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    given = x.clone()
+    nn.functional.mse_loss(plain(x.clone()), y).backward()
+    pipe = Pipe(model, chunks=4, checkpoint="always", balance=[2, 2], devices=["cpu"] * 2)
+    pipe.train_step(x, y, nn.functional.mse_loss, schedule=schedule)
+    assert torch.equal(x, given)
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10)
+
+
 def _distributed(rank: int, world: int) -> None:
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     y = torch.randn(8, 3, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    runs = [("1f1b", [2, 4], mode) for mode in MODES]
+    runs += [(name, balance, mode) for name, balance in SPLIT.items() for mode in CHECKPOINTED]
     for head in SHAPES:
         plain = _model(head)
         nn.functional.mse_loss(plain(x), y).backward()
-        for mode in MODES:
-            pipe = DistributedPipe(_model(head), chunks=4, balance=[2, 4], checkpoint=mode)
-            loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+        for schedule, balance, mode in runs:
+            pipe = DistributedPipe(_model(head), chunks=4, balance=balance, checkpoint=mode,
+                                   schedule=schedule)
+            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
                                    nn.functional.mse_loss)
-            if rank == world - 1:
+            if pipe.is_last:
                 expected = nn.functional.mse_loss(plain(x), y)
                 torch.testing.assert_close(loss, expected, atol=1e-12, rtol=1e-10)
             mine = dict(pipe.named_parameters())
@@ -97,7 +152,7 @@ def _distributed(rank: int, world: int) -> None:
             for name, param in mine.items():  # by the plain model's names
                 torch.testing.assert_close(param.grad, plain.get_parameter(name).grad,
                                            atol=1e-12, rtol=1e-10,
-                                           msg=f"{head.__name__}/{mode}/{name}")
+                                           msg=f"{head.__name__}/{schedule}/{mode}/{name}")
 
 
 def test_inplace_write_at_partition_start_in_a_distributed_pipe() -> None:

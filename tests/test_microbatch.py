@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from seqpipe import Pipe
-from seqpipe.microbatch import Batch, check_input, gather, scatter
+from seqpipe.core.microbatch import Batch, check_input, gather, scatter
 
 
 def sizes(batches) -> list:

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from distributed_harness import run_workers
 from seqpipe import NoChunk, Pipe, is_recomputing
-from seqpipe.microbatch import scatter
+from seqpipe.core.microbatch import scatter
 
 DTYPE = torch.float64
 MODES = ("always", "except_last", "never")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from seqpipe import Pipe, is_recomputing
-from seqpipe.microbatch import scatter
+from seqpipe.core.microbatch import scatter
 
 
 class _LogBackward(torch.autograd.Function):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe import Pipe, is_checkpointing, is_recomputing
-from seqpipe.rng import isolated_rng, needs_private_rng
+from seqpipe.core.rng import isolated_rng, needs_private_rng
 
 Key = Tuple[float, ...]
 

@@ -26,10 +26,11 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed_harness import Failures, run_workers
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.saved import SavedTensors
+from seqpipe.core.stage import Received, Stage
 from seqpipe.distributed import DistributedPipe, PeerError
 from seqpipe.distributed.checkpoint import gather_full_state_dict, load, load_into_plain, save
-from seqpipe.microbatch import Batch
-from seqpipe.saved import SavedTensors
 from seqpipe.schedule import (
     SCHEDULES,
     Action,
@@ -42,7 +43,6 @@ from seqpipe.schedule import (
 )
 from seqpipe.schedule import F as Fwd
 from seqpipe.skip import inspect_skip_layout, pop, skippable, stash
-from seqpipe.stage import Received, Stage
 
 DTYPE = torch.float64
 NAMES = sorted({name for name in SCHEDULES if name != "gpipe"})  # gpipe = fill_drain

@@ -1,4 +1,4 @@
-"""Per-layer seeds (``seqpipe.seeding``) and materialising layers built on ``meta``."""
+"""Per-layer seeds (``seqpipe.core.seeding``) and materialising layers built on ``meta``."""
 from __future__ import annotations
 
 import warnings
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from distributed_harness import run_workers
+from seqpipe.core.seeding import seed_layers, uninitialisable
 from seqpipe.distributed.materialize import materialize
-from seqpipe.seeding import seed_layers, uninitialisable
 
 
 class Scaled(nn.Module):

@@ -693,7 +693,7 @@ def test_layout_order_is_identical_across_processes() -> None:
 def test_layout_checks_model_and_balance() -> None:
     with pytest.raises(TypeError, match="never popped"):
         inspect_skip_layout(nn.Sequential(stasher("a")), [1])
-    # The same checks, and messages, as Pipe's (seqpipe.arguments.layer_counts).
+    # The same checks, and messages, as Pipe's (seqpipe.core.arguments.layer_counts).
     with pytest.raises(ValueError, match="sums to 7 but the module has 8 layers"):
         inspect_skip_layout(layout_model(), [4, 3])
     with pytest.raises(ValueError, match="positive int.* entry 1 of \\[8, 0\\] is 0"):

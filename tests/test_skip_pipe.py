@@ -5,10 +5,10 @@ run as a plain ``nn.Sequential`` (skippable layers work standalone through the p
 default tracker): outputs, input gradients and parameter gradients must match for every
 checkpoint mode. Models are in float64 so micro-batching changes nothing beyond rounding.
 
-Other tests instrument the local engine (``Mailbox.put``, ``LocalPipeline._send_forward`` /
-``_send_backward``, ``Stage.forward``) to show where a skip tensor goes: straight from the
+Other tests instrument the local engine (``Mailbox.put``, ``LocalStep.send_forward`` /
+``send_backward``, ``Stage.forward``) to show where a skip tensor goes: straight from the
 stashing partition to the popping one, and its gradient straight back. On CPU every device
-is ``cpu`` and ``seqpipe.stream.move`` is a no-op alias, so *which stage's mailbox receives
+is ``cpu`` and ``seqpipe.core.stream.move`` is a no-op alias, so *which stage's mailbox receives
 what* is the observable route, not the device a copy lands on.
 """
 from __future__ import annotations
@@ -25,7 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe import Pipe
-from seqpipe.pipeline import LocalPipeline
+from seqpipe.core.stage import Stage
+from seqpipe.local.step import LocalStep
+from seqpipe.local.worker import Mailbox
 from seqpipe.skip import (
     Namespace,
     SkipTracker,
@@ -35,8 +37,6 @@ from seqpipe.skip import (
     stash,
     use_skip_tracker,
 )
-from seqpipe.stage import Stage
-from seqpipe.worker import Mailbox
 
 F = 6  # feature width of the toy models
 MODES = ["always", "except_last", "never"]
@@ -751,26 +751,24 @@ def test_skip_goes_directly_and_its_gradient_comes_directly_back(
     forwards: list[tuple[int, int, tuple[Any, ...]]] = []
     backwards: list[tuple[int, int, dict[str, bool]]] = []
     stage_forward = Stage.forward
-    send_forward = LocalPipeline._send_forward
-    send_backward = LocalPipeline._send_backward
+    send_forward = LocalStep.send_forward
+    send_backward = LocalStep.send_backward
 
     def spy_stage_forward(self: Stage, rec: Any, **kwargs: Any) -> Any:
         received.append((self.index, tuple(name for _, name in rec.skips)))
         return stage_forward(self, rec, **kwargs)
 
-    def spy_send_forward(self: LocalPipeline, mailbox: Mailbox, run: Any, s: int, i: int,
-                         outputs: Any, skips: Any, **kwargs: Any) -> None:
-        forwards.append((s, i, tuple(name for _, name in skips)))
-        send_forward(self, mailbox, run, s, i, outputs, skips, **kwargs)
+    def spy_send_forward(self: LocalStep, s: int, i: int, sent: Any) -> None:
+        forwards.append((s, i, tuple(name for _, name in sent.skips)))
+        send_forward(self, s, i, sent)
 
-    def spy_send_backward(self: LocalPipeline, mailbox: Mailbox, run: Any, s: int, i: int,
-                          grads: Any) -> None:
+    def spy_send_backward(self: LocalStep, s: int, i: int, grads: Any) -> None:
         backwards.append((s, i, {name: g is not None for (_, name), g in grads.skips.items()}))
-        send_backward(self, mailbox, run, s, i, grads)
+        send_backward(self, s, i, grads)
 
     monkeypatch.setattr(Stage, "forward", spy_stage_forward)
-    monkeypatch.setattr(LocalPipeline, "_send_forward", spy_send_forward)
-    monkeypatch.setattr(LocalPipeline, "_send_backward", spy_send_backward)
+    monkeypatch.setattr(LocalStep, "send_forward", spy_send_forward)
+    monkeypatch.setattr(LocalStep, "send_backward", spy_send_backward)
 
     torch.manual_seed(9)
     model = nn.Sequential(StashFar(), nn.Linear(F, F), nn.Linear(F, F), PopFar()).double()

@@ -10,7 +10,7 @@ from typing import List
 
 import torch
 
-from seqpipe.stream import CopyStreams, move, on_stream
+from seqpipe.core.stream import CopyStreams, move, on_stream
 
 
 class FakeStream:

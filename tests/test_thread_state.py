@@ -19,9 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-import seqpipe.thread_state as thread_state
+import seqpipe.local.thread_state as thread_state
 from seqpipe import Pipe
-from seqpipe.thread_state import stage_threads
+from seqpipe.local.thread_state import stage_threads
 
 CHUNKS = 4
 State = Tuple[Any, ...]

@@ -196,7 +196,7 @@ def test_find_ties_lists_every_name_and_stage() -> None:
         (("0.weight", "4.weight"), (0, 2)),
         (("1.inner.weight", "3.inner.weight"), (0, 2)),
         (("1.inner.bias", "3.inner.bias"), (0, 2))]
-    assert ties[0] == Tie(("0.weight", "4.weight"), (0, 2), (4, 4), torch.float32, True)
+    assert ties[0] == Tie(("0.weight", "4.weight"), (0, 2), (4, 4), torch.float32)
     assert find_ties(model, [5]) == []  # one stage: nothing to tie across
 
 

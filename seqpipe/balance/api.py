@@ -14,8 +14,8 @@ from torch import nn
 
 from seqpipe.balance.profile import DeviceLike, param_counts, profile_sizes, profile_times
 from seqpipe.balance.solver import check_partitions, solve
-from seqpipe.microbatch import TensorOrTensors
-from seqpipe.partition import verify_module
+from seqpipe.core.microbatch import TensorOrTensors
+from seqpipe.core.partition import verify_module
 
 __all__ = ["balance_by_params", "balance_by_size", "balance_by_time", "balance_by_type",
            "balance_uniform"]

@@ -2,7 +2,7 @@
 
 Layers are profiled one at a time, so each one gets a fresh copy of what the previous layer
 returned, cut off from the previous layer's autograd graph. What a layer receives follows
-:class:`seqpipe.microbatch.Batch`, as in the pipeline itself: a tensor, or a tuple of
+:class:`seqpipe.core.microbatch.Batch`, as in the pipeline itself: a tensor, or a tuple of
 tensors passed as one argument. Keeping that in this one file lets it change in one place.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seqpipe.microbatch import Batch, Input, TensorOrTensors
+from seqpipe.core.microbatch import Batch, Input, TensorOrTensors
 
 __all__ = ["backward", "fresh", "layer_input", "prepare_sample", "run_layer"]
 

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from seqpipe.balance.flow import backward, layer_input, prepare_sample, run_layer
 from seqpipe.balance.sandbox import layer_copies, sandbox, skip_scope, synchronize
-from seqpipe.microbatch import Batch, TensorOrTensors
-from seqpipe.partition import verify_module
+from seqpipe.core.microbatch import Batch, TensorOrTensors
+from seqpipe.core.partition import verify_module
 
 __all__ = ["param_counts", "profile_sizes", "profile_times"]
 

@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from itertools import accumulate
 
-from seqpipe.arguments import integer
+from seqpipe.core.arguments import integer
 
 __all__ = ["check_partitions", "solve"]
 

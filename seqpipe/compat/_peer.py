@@ -17,9 +17,9 @@ from typing import Any, Iterator, List, Sequence, Tuple, Type
 
 from torch import nn
 
-from seqpipe.checkpoint import MODES
 from seqpipe.compat._moving import DenyMoving
-from seqpipe.microbatch import check_input
+from seqpipe.core.checkpoint import MODES
+from seqpipe.core.microbatch import check_input
 
 __all__ = ["PeerPipe", "peer_arguments", "recommend_auto_balance", "verify_peer_module"]
 

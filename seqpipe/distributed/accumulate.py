@@ -23,8 +23,8 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from seqpipe.sink import GradSink
-from seqpipe.stage import Stage
+from seqpipe.core.sink import GradSink
+from seqpipe.core.stage import Stage
 
 __all__ = ["StepGrads"]
 

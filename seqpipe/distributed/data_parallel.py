@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from seqpipe.core.loss_weights import Replicas
+
 __all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -74,6 +76,11 @@ class GradientReducer:
         # Started buckets, in bucket order: the work, the flat buffer, and whether some
         # parameter of the bucket had no gradient here.
         self.works: List[Tuple[dist.Work, Tensor, bool]] = []
+
+    def replicas(self, device: torch.device) -> Replicas:
+        """The replicas, for summing a step's count over them (``seqpipe.core.loss_weights``)."""
+        return Replicas(self.size, lambda total: dist.all_reduce(total, group=self.group),
+                        device)
 
     def follow(self, params: Sequence[nn.Parameter]) -> None:
         """Reduce exactly ``params`` (the trainable ones, in model order) from now on.

@@ -26,16 +26,27 @@ checking gradients, ``_unscale_grads_``, sees both paths.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, List, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from seqpipe.distributed.pipe import DistributedPipe
-
 __all__ = ["PipeGradScaler", "backward_seed"]
+
+
+class ScaledPipe(Protocol):
+    """What a scaler reads of its pipe (a ``DistributedPipe``): its device and groups.
+    Named here, not imported, because the pipe module imports this one."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]: ...
+
+    @property
+    def data_parallel_group(self) -> Optional[dist.ProcessGroup]: ...
 
 
 class PipeGradScaler(torch.amp.GradScaler):
@@ -49,7 +60,7 @@ class PipeGradScaler(torch.amp.GradScaler):
     pipe's.
     """
 
-    def __init__(self, pipe: "DistributedPipe", init_scale: float = 2.0**16,
+    def __init__(self, pipe: ScaledPipe, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True) -> None:
         super().__init__(pipe.device.type, init_scale=init_scale, growth_factor=growth_factor,
@@ -94,7 +105,7 @@ class PipeGradScaler(torch.amp.GradScaler):
         return {flag.device: shared[0].reshape(found_inf.shape)}
 
 
-def backward_seed(scaler: Optional[PipeGradScaler], pipe: "DistributedPipe") -> Optional[Tensor]:
+def backward_seed(scaler: Optional[PipeGradScaler], pipe: ScaledPipe) -> Optional[Tensor]:
     """The gradient ``pipe``'s last stage starts its backward from: the loss scale (or
     ``None``, meaning 1, without a scaler). Called on every rank, which initialises
     every rank's scale, as ``scaler.scale(loss)`` does for a single process."""

@@ -8,7 +8,8 @@ batch and announces the micro-batch count with a STEP message, and every rank ch
 all make the same kind of call), runs the rank's actions in schedule order, and closes the
 call on every rank together (the loss from the rank of the last stage, then DONE). A train
 step ends with the reductions: gradients averaged over the data-parallel replicas (and the
-stage's buffers broadcast), then those of weights tied across ranks summed. Under
+stage's buffers broadcast), then what the step added to the gradients of weights tied
+across ranks summed (their earlier gradients set aside at the start: ``tie_grads``). Under
 ``schedule="auto"`` the first train step is timed, and the schedule picked from it runs from
 the next call on.
 """
@@ -22,23 +23,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpipe.checkpoint import checkpoint_stop
+from seqpipe.core.checkpoint import checkpoint_stop
+from seqpipe.core.loss_weights import CountFn, LossWeights, loss_weights
+from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
+from seqpipe.core.stage import Stage
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.agreement import call_kind, check_same_call, opened
 from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
 from seqpipe.distributed.step import Call, LossFn, describe
-from seqpipe.distributed.ties import TiedCopies
+from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
-from seqpipe.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.schedule import Action, AnySchedule, Phase, Placement, validate_schedule
 from seqpipe.skip.layout import SkipLayout
-from seqpipe.stage import Stage
-from seqpipe.tasks import split_target
 from seqpipe.trace import hooks
-from seqpipe.trace.events import EventKind
+from seqpipe.trace.events import EventKind, What
 
 __all__ = ["CallLifecycle", "CallPlan"]
 
@@ -65,7 +66,7 @@ class CallLifecycle:
                  placement: Placement, schedule: AnySchedule, *, chunks: int,
                  group: Optional[dist.ProcessGroup], device: torch.device,
                  auto: Optional[AutoRunner], reducer: Optional[GradientReducer],
-                 tied: Optional[TiedCopies], partition: nn.Sequential,
+                 tied: Optional[TieGrads], partition: nn.Sequential,
                  broadcast_buffers: bool) -> None:
         self.stages = stages
         self.transport = transport
@@ -179,15 +180,18 @@ class CallLifecycle:
         return loss
 
     def train_step(self, input: Optional[TensorOrTensors], target: Any, loss_fn: LossFn,
-                   seed: Optional[Tensor], *, chunks: int, checkpoint: str) -> Tensor:
+                   seed: Optional[Tensor], *, chunks: int, checkpoint: str,
+                   count_fn: Optional[CountFn] = None) -> Tensor:
         """One ``DistributedPipe.train_step`` on this rank, ``seed`` its loss scale (or
-        ``None``) and ``checkpoint`` the mode in force (``"never"`` in eval mode)."""
+        ``None``), ``checkpoint`` the mode in force (``"never"`` in eval mode) and
+        ``count_fn`` what normalises a summed loss (``seqpipe.core.loss_weights``)."""
         self.transport.begin()
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
                     seed=seed, timer=self.auto.timer() if self.auto else None)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
-        with self._dropping_statistics_on_failure():
-            loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint)
+        with self._undoing_on_failure():
+            loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint,
+                                    count_fn)
         end_step(step, self, call)
         if call.timer is not None and self.auto is not None:  # measured: pick from now on
             self.auto.decide(call.timer, call.microbatches)
@@ -202,18 +206,22 @@ class CallLifecycle:
         self.transport.begin()
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=False)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
-        with self._dropping_statistics_on_failure():
+        with self._undoing_on_failure():
             output = self._forward(call, input, chunks)
         end_step(step, self, call)
         return output
 
     @contextmanager
-    def _dropping_statistics_on_failure(self) -> Iterator[None]:
+    def _undoing_on_failure(self) -> Iterator[None]:
+        """After a failed call: the stages drop the call's deferred statistics, and the
+        tied copies' earlier gradients are back in ``.grad`` (see ``TieGrads``)."""
         try:
             yield
         except BaseException:
             for stage in self.stages.values():
                 stage.finish_forward(failed=True)
+            if self.tied is not None:
+                self.tied.put_back()
             raise
 
     def _trainable(self) -> List[nn.Parameter]:
@@ -225,16 +233,21 @@ class CallLifecycle:
         return list(seen.values())
 
     def _train_step(self, call: Call, input: Optional[TensorOrTensors], target: Any,
-                    loss_fn: LossFn, chunks: int, checkpoint: str) -> Tensor:
+                    loss_fn: LossFn, chunks: int, checkpoint: str,
+                    count_fn: Optional[CountFn]) -> Tensor:
+        weights = LossWeights([], [])
         targets: Optional[List[Any]] = None
-        weights: List[float] = []
         with call.guard("start of the step"):
             if self.reducer is not None:
                 self.reducer.follow(self._trainable())  # requires_grad as of now
+            if self.tied is not None:
+                self.tied.set_aside()  # sum only what this step adds, of what is trained now
             batches, actions = self.open(call, input, chunks)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
-                targets, weights = split_target(target, len(batches))
+                replicas = None if self.reducer is None else self.reducer.replicas(self.device)
+                weights = loss_weights(target, len(batches), count_fn, replicas)
+                targets = weights.targets
         ends = [n for n, a in enumerate(actions) if a.phase in _LAST]
         for n in ends:  # each stage's last B or W: its gradients are final there
             call.grads[actions[n].stage] = StepGrads(self.stages[actions[n].stage],
@@ -245,11 +258,12 @@ class CallLifecycle:
             with call.guard(describe(action), action.stage):
                 if n == ends[-1] and self.reducer is not None:
                     self.reducer.arm()  # gradients final from here: reduce as they land
-                call.run(action, batches, targets, loss_fn, weights)
+                call.run(action, batches, targets, loss_fn, weights.weights)
         with call.guard("end of the step"):
             for stage in self.stages.values():
                 stage.finish_forward()
-            loss = self.close(call, torch.stack(call.losses).sum() if self.is_last else None)
+            loss = self.close(call, weights.report(torch.stack(call.losses).sum())
+                              if self.is_last else None)
             self._reduce()
         assert loss is not None
         return loss
@@ -258,13 +272,13 @@ class CallLifecycle:
         """The end of a train step: the data-parallel mean (and buffer broadcast), then
         the sum of the copies of weights tied across ranks."""
         if self.reducer is not None:
-            with hooks.span(EventKind.REDUCE, self.stage_index, what="data parallel"):
+            with hooks.span(EventKind.REDUCE, self.stage_index, what=What.DATA_PARALLEL):
                 self.reducer.finish()
             if self.broadcast_buffers:
                 broadcast_buffers(self.partition, self.reducer.group)
         if self.tied is not None:
-            with hooks.span(EventKind.REDUCE, self.stage_index, what="tied weights"):
-                self.tied.reduce_grads()  # after the replicas' mean: the two commute
+            with hooks.span(EventKind.REDUCE, self.stage_index, what=What.TIES):
+                self.tied.reduce()  # after the replicas' mean: the two commute
 
     def _forward(self, call: Call, input: Optional[TensorOrTensors],
                  chunks: int) -> Optional[TensorOrTensors]:

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from seqpipe.seeding import init_layer, reset_layer, uninitialisable
+from seqpipe.core.seeding import init_layer, reset_layer, uninitialisable
 
 __all__ = ["materialize"]
 

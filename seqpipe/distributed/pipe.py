@@ -9,9 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpipe.arguments import check_checkpoint_every
-from seqpipe.batchnorm import convert_deferred_batch_norm
-from seqpipe.checkpoint import check_mode
+from seqpipe.core.arguments import check_checkpoint_every, check_chunks
+from seqpipe.core.batchnorm import convert_deferred_batch_norm
+from seqpipe.core.checkpoint import check_mode
+from seqpipe.core.loss_weights import CountFn
+from seqpipe.core.microbatch import TensorOrTensors
+from seqpipe.core.partition import check_balance, verify_module
+from seqpipe.core.stage import Stage
 from seqpipe.distributed.agreement import check_same_model
 from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
@@ -21,11 +25,9 @@ from seqpipe.distributed.materialize import materialize
 from seqpipe.distributed.mesh import reverse_group
 from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
+from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Transport
-from seqpipe.microbatch import TensorOrTensors
-from seqpipe.partition import check_balance, verify_module
-from seqpipe.pipe import check_chunks
 from seqpipe.schedule import (
     AnySchedule,
     Auto,
@@ -36,7 +38,6 @@ from seqpipe.schedule import (
     validate_schedule,
 )
 from seqpipe.skip.layout import inspect_skip_layout
-from seqpipe.stage import Stage
 
 __all__ = ["DistributedPipe"]
 
@@ -183,7 +184,8 @@ class DistributedPipe(nn.Module):
         self._calls = CallLifecycle(self._stages, self._transport, layout, self.placement,
                                     self.schedule, chunks=self.chunks, group=group,
                                     device=self.device, auto=self._auto, reducer=self._reducer,
-                                    tied=self._tied, partition=partition,
+                                    tied=TieGrads(self._tied) if self._tied is not None else None,
+                                    partition=partition,
                                     broadcast_buffers=self.broadcast_buffers)
 
     @property
@@ -244,7 +246,8 @@ class DistributedPipe(nn.Module):
         return self.num_stages - 1 in self.stages
 
     def train_step(self, input: Optional[TensorOrTensors], target: Any,
-                   loss_fn: LossFn, *, scaler: Optional[PipeGradScaler] = None) -> Tensor:
+                   loss_fn: LossFn, *, count_fn: Optional[CountFn] = None,
+                   scaler: Optional[PipeGradScaler] = None) -> Tensor:
         """Forward and backward one mini-batch through the whole pipeline.
 
         ``input`` is read on the rank that holds stage 0 (``is_first``) and ``target`` on
@@ -254,13 +257,23 @@ class DistributedPipe(nn.Module):
         on every rank: the micro-batch losses weighted by micro-batch size, which for a
         mean-reduced ``loss_fn`` equals ``loss_fn`` on the whole batch.
 
+        A loss averaged over counted items (tokens that are not padding) needs ``count_fn``
+        (read on the last stage, like ``target``): ``loss_fn`` then returns each
+        micro-batch's *sum*, ``count_fn(target)`` the whole mini-batch's count (e.g.
+        ``(target != -100).sum()``), and the gradients are those of the sum over the
+        mini-batch divided by the count, exactly; with ``data_parallel_group``, of the sum
+        over every replica's mini-batch divided by the count summed over the replicas
+        (give ``count_fn`` on every replica). The returned loss is this replica's sum over
+        its own count.
+
         With ``scaler`` (a ``PipeGradScaler`` of this pipe, on every rank), the backward is
         that of the loss times the scaler's scale, for fp16 mixed precision: follow with
         ``scaler.step(optimizer)`` and ``scaler.update()``. The returned loss is unscaled.
         """
         seed = backward_seed(scaler, self)  # a wrong scaler: raised here, the pipe unharmed
         return self._calls.train_step(input, target, loss_fn, seed, chunks=self.chunks,
-                                      checkpoint=self.checkpoint if self.training else "never")
+                                      checkpoint=self.checkpoint if self.training else "never",
+                                      count_fn=count_fn)
 
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:

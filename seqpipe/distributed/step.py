@@ -1,7 +1,7 @@
 """One call of a distributed pipeline on one rank: its stages' actions, in schedule order.
 
 A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.run``
-(``seqpipe.tasks.Tasks``, shared with the local engine) dispatches each action by its phase
+(``seqpipe.core.tasks.Tasks``, shared with the local engine) dispatches each action by its phase
 (``F``, ``B``, ``I``, ``W``) to the stage it names, so no schedule has code of its own here;
 ``Call`` supplies the transport side. Data comes in through ``Transport`` messages
 (between two stages of one rank, in memory); whatever arrives before it is needed waits
@@ -35,19 +35,19 @@ from typing import (
 
 from torch import Tensor
 
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.sink import GradSink
+from seqpipe.core.stage import Grads, Received, Sent, Stage, TaskState, moved
+from seqpipe.core.tasks import LossFn, Tasks
 from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.auto import ActionTimer
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.distributed.values import check_values
-from seqpipe.microbatch import Batch
 from seqpipe.schedule import Action, Phase, Placement
-from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Grads, Received, Sent, Stage, TaskState, moved
-from seqpipe.tasks import LossFn, Tasks
 
 __all__ = ["Call", "LossFn", "describe"]
 

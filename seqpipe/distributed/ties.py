@@ -10,9 +10,10 @@ is the sum of both uses. Across processes each stage that uses it holds a copy, 
   agree on the list, since each computes it from the same model;
 * **keeping**: a rank frees the layers it does not own by giving their tensors ``meta``
   stand-ins, but leaves alone the tensors and submodules its own layers share with them;
-* **training**: after the step's backward, each tie's gradient is summed over the ranks
-  that hold a copy (one all-reduce per tie), so every copy's ``.grad`` is the
-  unpipelined model's and identical optimizer steps keep the copies identical;
+* **training**: after the step's backward, each tie's gradient (what this step added) is
+  summed over the ranks that hold a copy (one all-reduce per tie, see
+  ``seqpipe.distributed.tie_grads``), so every copy's ``.grad`` is the unpipelined
+  model's and identical optimizer steps keep the copies identical;
 * **checking**: the copies must be equal at construction (one small all-gather of
   checksums, else ``ValueError`` on every rank naming the tensor), and ``check`` compares
   them again on demand. Copies built on ``meta`` are freshly initialised per rank, so
@@ -58,13 +59,14 @@ class Tie:
 
     ``names`` are its keys in the unpipelined model's ``state_dict()``, in that order (the
     first is the one checkpoints keep); ``stages`` are the stages that hold a copy.
+    Whether it is trained is not part of it: that is the copies' ``requires_grad``, read
+    at every step.
     """
 
     names: Tuple[str, ...]
     stages: Tuple[int, ...]
     shape: Tuple[int, ...]
     dtype: torch.dtype
-    requires_grad: bool
 
     @property
     def name(self) -> str:
@@ -97,7 +99,7 @@ def find_ties(module: nn.Sequential, balance: Sequence[int]) -> List[Tie]:
                 names.append(f"{layer_name}.{name}")
                 if stage_of[n] not in stages:
                     stages.append(stage_of[n])
-        ties = [Tie(tuple(names), tuple(stages), tuple(t.shape), t.dtype, t.requires_grad)
+        ties = [Tie(tuple(names), tuple(stages), tuple(t.shape), t.dtype)
                 for t, names, stages in found.values() if len(stages) > 1]
         if buffers and ties:
             tie = ties[0]
@@ -194,7 +196,8 @@ def _checksum(tensor: Tensor) -> int:
 
 
 class TiedCopies:
-    """This rank's copies of the pipeline's ties: sums their gradients, checks their values.
+    """This rank's copies of the pipeline's ties, and the groups their sums run on; checks
+    their values (``tie_grads.TieGrads`` sums their gradients).
 
     ``params`` maps this stage's parameter names to its parameters. Collective at
     construction (it may create process groups) and in every method: every rank of the
@@ -217,9 +220,10 @@ class TiedCopies:
         self.sum_groups: List[Optional[dist.ProcessGroup]] = [
             group if groups is None else groups.get(t.stages) for t in self.ties]
 
-    def _start(self, t: int, tensor: Optional[Tensor]) -> Callable[[], None]:
-        """Start summing ``tensor`` (zeros on a rank without a copy) over tie ``t``'s group;
-        the returned function waits for it."""
+    def start_sum(self, t: int, tensor: Optional[Tensor]) -> Callable[[], None]:
+        """Start summing ``tensor`` (zeros on a rank without a copy) in place over tie
+        ``t``'s group (``sum_groups[t]``, which must not be ``None``); the returned
+        function waits for it."""
         if tensor is None:
             tie = self.ties[t]
             tensor = torch.zeros(tie.shape, dtype=tie.dtype, device=self.device)
@@ -231,20 +235,6 @@ class TiedCopies:
             if flat is not tensor:
                 tensor.copy_(flat)
         return wait
-
-    def reduce_grads(self) -> None:
-        """Sum each tie's gradient over the ranks that hold a copy, in place in ``.grad``
-        (a copy without one gets one). Every tie's all-reduce starts before any is waited
-        for."""
-        waits = []
-        for t, (tie, copy) in enumerate(zip(self.ties, self.copies)):
-            if self.sum_groups[t] is None or not tie.requires_grad:
-                continue
-            if copy is not None and copy.grad is None:
-                copy.grad = torch.zeros_like(copy)
-            waits.append(self._start(t, copy.grad if copy is not None else None))
-        for wait in waits:
-            wait()
 
     # -- checking ------------------------------------------------------------------------
     def _table(self, meta: Sequence[bool]) -> List[List[int]]:
@@ -292,7 +282,7 @@ class TiedCopies:
             return
         if copy is not None and self.stage != self.ties[t].stages[0]:
             copy.zero_()
-        self._start(t, copy.detach() if copy is not None else None)()
+        self.start_sum(t, copy.detach() if copy is not None else None)()
 
 
 def _pipelines(group: Optional[dist.ProcessGroup],

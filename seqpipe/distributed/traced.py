@@ -2,23 +2,48 @@
 what, from (or to) which stage. See ``seqpipe.trace``; free while tracing is off."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, Optional, Tuple
+from typing import Any, Container, ContextManager, Dict, Optional, Protocol, Tuple
 
 from seqpipe.distributed.wire import Kind
+from seqpipe.schedule import Placement
+from seqpipe.skip.layout import SkipLayout
 from seqpipe.trace import hooks
-from seqpipe.trace.events import EventKind
+from seqpipe.trace.events import EventKind, What
 
-if TYPE_CHECKING:
-    from seqpipe.distributed.step import Call
+__all__ = ["WHAT", "TracedCall", "end_step", "receiving", "sending"]
 
-__all__ = ["WHAT", "end_step", "receiving", "sending"]
-
-WHAT = {Kind.ACTIVATION: "activation", Kind.GRAD: "gradient", Kind.SKIP: "skip tensor",
-        Kind.SKIP_GRAD: "skip gradient", Kind.STEP: "start of the step",
-        Kind.DONE: "end of the step", Kind.LOSS: "loss"}
+WHAT = {Kind.ACTIVATION: What.ACTIVATION, Kind.GRAD: What.GRADIENT, Kind.SKIP: What.SKIP,
+        Kind.SKIP_GRAD: What.SKIP_GRAD, Kind.STEP: What.STEP, Kind.DONE: What.DONE,
+        Kind.LOSS: What.LOSS}
 
 
-def _ends(call: "Call", rank: int, kind: Kind, key: int, origin: int,
+class TracedCall(Protocol):
+    """What the spans read of a call (``distributed.step.Call``, which imports this
+    module): who this rank is, where stages live, what arrived."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def layout(self) -> SkipLayout: ...
+
+    @property
+    def placement(self) -> Placement: ...
+
+    @property
+    def inbox(self) -> Container[Tuple[Kind, int, int, int]]: ...
+
+    @property
+    def microbatches(self) -> int: ...
+
+    @property
+    def grad(self) -> bool: ...
+
+
+def _ends(call: TracedCall, rank: int, kind: Kind, key: int, origin: int,
           incoming: bool) -> Tuple[int, int]:
     """(sending stage, receiving stage) of a message from (``incoming``) or to ``rank``."""
     if kind is Kind.ACTIVATION:
@@ -35,7 +60,8 @@ def _ends(call: "Call", rank: int, kind: Kind, key: int, origin: int,
     return (call.num_stages - 1 if kind is Kind.LOSS else first(sender)[0]), first(receiver)[0]
 
 
-def receiving(call: "Call", src: int, wanted: Tuple[Kind, int, int, int]) -> ContextManager[Any]:
+def receiving(call: TracedCall, src: int,
+              wanted: Tuple[Kind, int, int, int]) -> ContextManager[Any]:
     """The wait for message ``wanted`` (kind, micro-batch, key, origin) from rank ``src``;
     ``OFF`` if it already arrived."""
     if not hooks.enabled() or wanted in call.inbox:
@@ -46,7 +72,7 @@ def receiving(call: "Call", src: int, wanted: Tuple[Kind, int, int, int]) -> Con
                       peer=peer, what=WHAT[kind])
 
 
-def sending(call: "Call", dst: int, kind: Kind, microbatch: int,
+def sending(call: TracedCall, dst: int, kind: Kind, microbatch: int,
             options: Dict[str, Any]) -> ContextManager[Any]:
     """Handing one message to rank ``dst`` to the transport (the send itself is
     asynchronous)."""
@@ -58,7 +84,7 @@ def sending(call: "Call", dst: int, kind: Kind, microbatch: int,
                       peer=peer, what=WHAT[kind])
 
 
-def end_step(index: Optional[int], pipe: Any, call: "Call") -> None:
+def end_step(index: Optional[int], pipe: Any, call: TracedCall) -> None:
     """Complete step ``index``'s record with what ``pipe`` ran in ``call``."""
     hooks.end_step(index, pipe.group, pipe.device, schedule=pipe.schedule,
                    num_stages=pipe.num_stages, num_ranks=pipe.num_ranks,

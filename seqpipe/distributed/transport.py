@@ -12,13 +12,9 @@ message was in the previous call, before the peer sends it, so the data is writt
 into place; waiting for a header before posting the payload would put a second round trip
 on the critical path of every hop. The sender keeps the same record, so it knows what the
 receiver posted: when the shapes differ it sends a buffer of the size the receiver posted,
-whose header says so, and the real payload after it (one extra round trip). A message whose
-shape has just changed is no longer trusted to keep it: the next call posts only its
-header, so while shapes keep changing (a sequence length that varies every step) each such
-message costs one header and one round trip more than the payload, and a stale payload-sized
-placeholder is sent only on the first change after a shape held (``_Seen``). Once the same
-shape comes twice in a row, the payload is received in place again. A failure notice is
-sized the same way, so it fills exactly what the peer posted.
+whose header says so, and the real payload after it (one extra round trip). Which size is
+posted, and when a changing shape stops being trusted, is ``seqpipe.distributed.shapes``.
+A failure notice is sized the same way, so it fills exactly what the peer posted.
 
 **Headers stay on the host side.** On a GPU a header is built in pinned memory and copied
 into the message buffer without blocking, and a received header is read back through a
@@ -62,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.distributed.shapes import SeenShapes
 from seqpipe.distributed.values import Values
 from seqpipe.distributed.wire import (
     HEADER_BYTES,
@@ -111,35 +108,6 @@ class _Posted:
     work: dist.Work
 
 
-@dataclass(frozen=True)
-class _Seen:
-    """A planned message's payload in the previous call, and whether it is trusted to keep
-    it: a shape seen first, or the same twice in a row. Sender and receiver derive both
-    from the same payloads, so they agree on what the receiver posts."""
-
-    spec: Spec
-    trusted: bool
-
-    def then(self, spec: Spec) -> "_Seen":
-        return _Seen(spec, spec == self.spec)
-
-
-_Key = Tuple[int, Kind, int, int, int]  # peer, and the planned message's identity
-
-
-def _last_spec(seen: Dict[_Key, _Seen], peer: int, planned: Optional["Planned"]) -> Spec:
-    """The payload posted for this planned message: its last one if trusted, else none (a
-    header-only receive); none for an unplanned message."""
-    record = seen.get((peer, *planned.identity)) if planned else None
-    return record.spec if record is not None and record.trusted else ()
-
-
-def _saw(seen: Dict[_Key, _Seen], peer: int, planned: "Planned", spec: Spec) -> None:
-    key = (peer, *planned.identity)
-    record = seen.get(key)
-    seen[key] = _Seen(spec, True) if record is None else record.then(spec)
-
-
 def _started(work: Optional[dist.Work]) -> dist.Work:
     assert work is not None  # isend/irecv return None only for ranks outside the group
     return work
@@ -169,8 +137,8 @@ class Transport:
         self._incoming: Dict[int, Deque[Planned]] = defaultdict(deque)
         self._outgoing: Dict[int, Deque[Planned]] = defaultdict(deque)
         self._posted: Dict[int, _Posted] = {}
-        self._seen_in: Dict[_Key, _Seen] = {}
-        self._seen_out: Dict[_Key, _Seen] = {}
+        self._seen_in = SeenShapes()  # of the messages received, per peer
+        self._seen_out = SeenShapes()  # of the messages sent, per peer
         self._pending: Dict[int, List[_Sent]] = defaultdict(list)
         self.sent_bytes = 0  # every buffer sent, headers and placeholders included
         self._pin = device.type == "cuda"  # headers in pinned host memory, copied async
@@ -249,14 +217,14 @@ class Transport:
         """Post the receive of the next message from ``src``, sized for what is expected."""
         queue = self._incoming[src]
         planned = queue.popleft() if queue else None
-        spec = _last_spec(self._seen_in, src, planned)
+        spec = self._seen_in.posted(src, planned)
         buffer = torch.empty(HEADER_BYTES + nbytes(spec), dtype=torch.uint8,
                              device=self.device)
         self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
 
     def _expected_by(self, dst: int, planned: Optional["Planned"]) -> Spec:
         """The payload ``dst`` has posted (or will post) a receive for, for this message."""
-        return _last_spec(self._seen_out, dst, planned)
+        return self._seen_out.posted(dst, planned)
 
     # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
@@ -282,7 +250,7 @@ class Transport:
             if payload:
                 self._isend(pack(None, payload, nbytes(actual), self.device), stage, taken_at)
         if planned is not None:
-            _saw(self._seen_out, stage, planned, actual)
+            self._seen_out.saw(stage, planned, actual)
             self._outgoing[stage].popleft()
 
     def _next_out(self, dst: int, identity: Tuple[Kind, int, int, int]) -> Optional["Planned"]:
@@ -324,7 +292,7 @@ class Transport:
                 self._wait(self._irecv(buffer, stage))
             payload = unpack(buffer, 0, spec)
         if planned is not None:
-            _saw(self._seen_in, stage, planned, spec)
+            self._seen_in.saw(stage, planned, spec)
             self._release(stage, planned.sent_at)
         if self.ahead and self._incoming[stage]:
             self._post(stage)

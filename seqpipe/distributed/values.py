@@ -1,7 +1,7 @@
 """Non-tensor values between processes: a few plain types, as int64 words of a header.
 
 A micro-batch may carry values that are not tensors from one stage to the next (see
-``seqpipe.microbatch``). Only tensors travel between processes, so such a value rides in
+``seqpipe.core.microbatch``). Only tensors travel between processes, so such a value rides in
 the message header as words: ``None``, ``bool``, ``int`` (64-bit), ``float`` (its IEEE
 bits) and ``str`` (UTF-8, as long as the header has room). They arrive as the same type and
 value; nothing is pickled. Any other type is a ``TypeError`` naming it. Texts (a failure

@@ -10,8 +10,11 @@ stage's actions; :class:`StagedSchedule` gives a placement and each rank's actio
 :func:`validate_schedule` rejects, before any communication, a schedule that is malformed or
 would deadlock; :func:`simulate` replays one with costs. Package layout: ``action.py``,
 ``placement.py``, ``protocol.py`` (the data); ``fill_drain.py``, ``one_f_one_b.py``,
-``zero_bubble.py``, ``dualpipe.py`` (the built-in families); ``registry.py`` (names);
-``validate.py`` and ``simulate.py``.
+``zero_bubble.py``, ``dualpipe.py`` (the built-in families); ``registry.py`` (their
+names); ``checks.py`` and ``replay.py`` (the validator and the simulator on schedule
+objects); ``auto.py`` (``Auto``, which simulates the built-ins); ``lookup.py``
+(``get_schedule``: names, ``"auto"`` included); ``validate.py`` and ``simulate.py`` (the
+public entries, taking names too).
 """
 from seqpipe.schedule.action import (
     Action,
@@ -30,6 +33,7 @@ from seqpipe.schedule.action import (
 from seqpipe.schedule.auto import Auto, AutoChoice, Costs, Prediction
 from seqpipe.schedule.dualpipe import DualPipeV
 from seqpipe.schedule.fill_drain import FillDrain, LoopedBFS
+from seqpipe.schedule.lookup import get_schedule
 from seqpipe.schedule.one_f_one_b import Interleaved1F1B, OneFOneB
 from seqpipe.schedule.placement import Placement
 from seqpipe.schedule.protocol import (
@@ -40,7 +44,7 @@ from seqpipe.schedule.protocol import (
     placement_of,
     rank_orders,
 )
-from seqpipe.schedule.registry import SCHEDULES, get_schedule
+from seqpipe.schedule.registry import SCHEDULES
 from seqpipe.schedule.simulate import Simulation, simulate
 from seqpipe.schedule.validate import validate_schedule
 from seqpipe.schedule.zero_bubble import (

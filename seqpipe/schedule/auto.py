@@ -20,8 +20,8 @@ from typing import Optional
 from seqpipe.schedule.action import Action, Phase
 from seqpipe.schedule.placement import Placement
 from seqpipe.schedule.protocol import ScheduleError, placement_of, rank_orders
-from seqpipe.schedule.registry import SCHEDULES, get_schedule
-from seqpipe.schedule.simulate import simulate
+from seqpipe.schedule.registry import SCHEDULES, builtin_or_object, normalized
+from seqpipe.schedule.replay import replay
 
 __all__ = ["Auto", "AutoChoice", "Costs", "Prediction"]
 
@@ -91,8 +91,8 @@ class Auto:
                              f"e.g. Auto.ONE_PER_RANK = {Auto.ONE_PER_RANK}")
         names = []
         for name in candidates:
-            get_schedule(name)  # an unknown name: ValueError listing the valid ones
-            key = name.strip().lower().replace("-", "_")
+            builtin_or_object(name)  # an unknown name: ValueError listing the valid ones
+            key = normalized(name)
             names.append("fill_drain" if key == "gpipe" else key)
         self.candidates = tuple(dict.fromkeys(names))
         if max_live_microbatches is not None and not max_live_microbatches > 0:
@@ -121,7 +121,7 @@ class Auto:
         out = []
         for name in self.candidates:
             try:
-                peak = max(simulate(name, num_ranks, m).peak_activation_memory)
+                peak = max(replay(SCHEDULES[name](), num_ranks, m).peak_activation_memory)
             except ScheduleError:
                 continue
             out.append((name, peak))
@@ -154,8 +154,8 @@ class Auto:
         cap (the smallest peak if none fits); ties: the earlier candidate."""
         predictions = []
         for name, peak in self._runnable(num_ranks, m):
-            sim = simulate(name, num_ranks, m, forward_cost=costs.forward,
-                           input_cost=costs.input, weight_cost=costs.weight)
+            sim = replay(SCHEDULES[name](), num_ranks, m, forward_cost=costs.forward,
+                         input_cost=costs.input, weight_cost=costs.weight)
             predictions.append(Prediction(name, sim.makespan, peak, self._fits(peak)))
         fitting = [p for p in predictions if p.fits]
         best = (min(fitting, key=lambda p: p.makespan) if fitting

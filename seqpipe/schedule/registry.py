@@ -1,4 +1,5 @@
-"""Built-in schedules by name, and the one place that turns a name into a schedule."""
+"""Built-in schedules by name (``"auto"``, which picks among them, is added by
+``lookup.get_schedule``, above ``auto.py``, which needs these names)."""
 from __future__ import annotations
 
 from typing import Callable, Union
@@ -14,7 +15,7 @@ from seqpipe.schedule.zero_bubble import (
     ZeroBubbleV,
 )
 
-__all__ = ["SCHEDULES", "get_schedule"]
+__all__ = ["SCHEDULES", "builtin_or_object", "normalized"]
 
 SCHEDULES: dict[str, Callable[[], AnySchedule]] = {
     "fill_drain": FillDrain,
@@ -31,20 +32,16 @@ SCHEDULES: dict[str, Callable[[], AnySchedule]] = {
 """Name -> class of every built-in (several-stages-per-rank ones with ``V = 2``)."""
 
 
-def get_schedule(name_or_schedule: Union[str, AnySchedule]) -> AnySchedule:
-    """Resolve a built-in name (see :data:`SCHEDULES`) or pass a schedule object through.
+def normalized(name: str) -> str:
+    """A schedule name as looked up: case-insensitive, ``-`` read as ``_``."""
+    return name.strip().lower().replace("-", "_")
 
-    ``"auto"`` gives ``Auto()``, which picks among the one-stage-per-rank built-ins by
-    measured costs. Names are case-insensitive and ``-`` reads as ``_``. An unknown name raises
-    ``ValueError`` listing the valid ones; an object with neither ``actions(...)`` nor
-    ``placement(...)`` and ``rank_actions(...)`` raises ``TypeError``.
-    """
+
+def builtin_or_object(name_or_schedule: Union[str, AnySchedule]) -> AnySchedule:
+    """``get_schedule`` for everything but ``"auto"``: a built-in by name, or a schedule
+    object passed through after checking its type."""
     if isinstance(name_or_schedule, str):
-        key = name_or_schedule.strip().lower().replace("-", "_")
-        if key == "auto":  # not a built-in: it picks one (seqpipe.schedule.auto)
-            from seqpipe.schedule.auto import Auto
-
-            return Auto()
+        key = normalized(name_or_schedule)
         if key not in SCHEDULES:
             valid = ", ".join(repr(n) for n in [*SCHEDULES, "auto"])
             raise ValueError(f"unknown schedule {name_or_schedule!r}; valid names: {valid}")

@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 from torch import nn
 
-from seqpipe.arguments import layer_counts
+from seqpipe.core.arguments import layer_counts
 from seqpipe.skip.namespace import Namespace
 from seqpipe.skip.skippable import iter_pops, iter_stashes
 from seqpipe.skip.verify import verify_skippables

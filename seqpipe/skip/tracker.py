@@ -14,7 +14,7 @@ from typing import Callable, Dict, FrozenSet, Iterator, Optional, Set, Tuple
 
 from torch import Tensor
 
-from seqpipe.checkpoint import is_checkpointing, is_recomputing
+from seqpipe.core.flags import is_checkpointing, is_recomputing
 from seqpipe.skip.namespace import Namespace
 
 __all__ = ["SkipKey", "SkipTracker", "StageSkipTracker", "current_skip_tracker",
@@ -96,11 +96,11 @@ class StageSkipTracker(SkipTracker):
         self.crossing = crossing
         self.received = received
         self.outgoing: Dict[SkipKey, Optional[Tensor]] = {}
-        # A split backward's recomputation (seqpipe.stage) replaces the first run's graph:
+        # A split backward's recomputation (seqpipe.core.stage) replaces the first run's graph:
         # it keeps its outgoing stashes, whose gradients flow through the new graph.
         self.replaying = False
         # Local skips whose stash and pop lie in two checkpointed segments of the partition
-        # (seqpipe.segments): ``kept`` holds each from its stash until the task is done, for
+        # (seqpipe.core.segments): ``kept`` holds each from its stash until the task is done, for
         # the popping segment's recomputation, which runs before (and without) the stash's.
         self.between: FrozenSet[SkipKey] = frozenset()
         self.kept: Dict[SkipKey, Optional[Tensor]] = {}

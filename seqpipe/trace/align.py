@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from seqpipe.trace.events import Event, EventKind
+from seqpipe.trace.events import Event, EventKind, What
 
 __all__ = ["causal_offsets"]
 
 # which actions consume each message, on the receiving stage
-_CONSUMERS = {"activation": (EventKind.FORWARD,), "skip tensor": (EventKind.FORWARD,),
-              "gradient": (EventKind.BACKWARD, EventKind.INPUT_GRAD),
-              "skip gradient": (EventKind.BACKWARD, EventKind.INPUT_GRAD)}
+_CONSUMERS = {What.ACTIVATION: (EventKind.FORWARD,), What.SKIP: (EventKind.FORWARD,),
+              What.GRADIENT: (EventKind.BACKWARD, EventKind.INPUT_GRAD),
+              What.SKIP_GRAD: (EventKind.BACKWARD, EventKind.INPUT_GRAD)}
 
 _Key = Tuple[int, Optional[int], Optional[str], Optional[int], int]  # stage, peer, what, mb, step
 

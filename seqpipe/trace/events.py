@@ -18,7 +18,32 @@ from typing import Any, List, Optional, Tuple
 
 from seqpipe.schedule.action import Phase
 
-__all__ = ["KIND_OF_PHASE", "Event", "EventKind", "StepRecord", "Recording"]
+__all__ = ["CONTROL", "KIND_OF_PHASE", "WHATS", "Event", "EventKind", "StepRecord", "Recording",
+           "What"]
+
+
+class What:
+    """The names an event's ``what`` takes: for waits and sends the message, for
+    reductions which one. Both engines and every reader of a recording use these."""
+
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+    SKIP = "skip tensor"
+    SKIP_GRAD = "skip gradient"
+    STEP = "start of the step"
+    DONE = "end of the step"
+    LOSS = "loss"
+    DATA_PARALLEL = "data parallel"
+    TIES = "tied weights"
+
+
+WHATS = (What.ACTIVATION, What.GRADIENT, What.SKIP, What.SKIP_GRAD, What.STEP, What.DONE,
+         What.LOSS, What.DATA_PARALLEL, What.TIES)
+"""Every ``What``, in the order that numbers them on the wire (``trace.gather``)."""
+
+CONTROL = frozenset({What.STEP, What.DONE, What.LOSS})
+"""Messages that open and close a call: waiting on them means waiting for a whole stage to
+finish, which the data waits before it already name."""
 
 
 class EventKind(str, enum.Enum):
@@ -56,8 +81,7 @@ class Event:
     ``stage``: the pipeline stage the interval belongs to; ``rank``: the process that ran
     it (0 in a local ``Pipe``). ``microbatch``: the micro-batch it served, if any.
     ``peer``: the stage at the other end of a wait or send. ``what``: for waits and sends
-    the message ("activation", "gradient", "skip", "skip gradient", "loss", ...), for
-    reductions which one ("data parallel", "tied weights"). ``step``: the index of the
+    the message, for reductions which one (a :class:`What`). ``step``: the index of the
     recorded step it belongs to.
     """
 

@@ -19,14 +19,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpipe.trace.align import causal_offsets
-from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
+from seqpipe.trace.events import WHATS, Event, EventKind, Recording, StepRecord
 
-__all__ = ["WHATS", "clock_offsets", "decode", "encode", "gather_recording"]
+__all__ = ["clock_offsets", "decode", "encode", "gather_recording"]
 
 _KINDS = list(EventKind)
-# What waits, sends and reductions can carry (Event.what), by index on the wire.
-WHATS = ("activation", "gradient", "skip tensor", "skip gradient", "start of the step",
-         "end of the step", "loss", "data parallel", "tied weights")
 _TAG = 0x5E97  # the clock exchange's messages, apart from the transport's
 
 

@@ -14,19 +14,34 @@ from __future__ import annotations
 
 import threading
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager, Optional, Tuple
+from typing import Any, Callable, ContextManager, Optional, Protocol, Tuple
 
 import torch.autograd.profiler as _profiler
 
 from seqpipe.trace.events import Event, EventKind
 
-if TYPE_CHECKING:
-    from seqpipe.trace.record import Recorder
-
-__all__ = ["OFF", "active", "begin_step", "current_label", "enabled", "end_step",
+__all__ = ["OFF", "Listener", "active", "begin_step", "current_label", "enabled", "end_step",
            "resume_step", "span"]
 
-active: Optional["Recorder"] = None  # the open recording, if any (set by record())
+
+class Listener(Protocol):
+    """What the hooks report to: the open recording (``trace.record.Recorder``, which
+    imports this module to install itself)."""
+
+    clock: Callable[[], float]
+
+    def add(self, kind: EventKind, stage: int, start: float, end: float,
+            microbatch: Optional[int], peer: Optional[int], what: Optional[str]) -> None: ...
+
+    def begin_step(self, **fields: Any) -> int: ...
+
+    def resume_step(self, index: int) -> None: ...
+
+    def end_step(self, index: int, group: Any = None, device: Any = None,
+                 **fields: Any) -> None: ...
+
+
+active: Optional[Listener] = None  # the open recording, if any (set by record())
 OFF: ContextManager[None] = nullcontext()  # what every hook returns when tracing is off
 
 Label = Tuple[int, Optional[int]]  # (stage, micro-batch)

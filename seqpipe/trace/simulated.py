@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple
 
 from seqpipe.schedule import Action, Phase, Simulation
-from seqpipe.trace.events import KIND_OF_PHASE, Event, EventKind, Recording, StepRecord
+from seqpipe.trace.events import KIND_OF_PHASE, Event, EventKind, Recording, StepRecord, What
 
 __all__ = ["KIND_OF_PHASE", "from_simulation"]
 
@@ -53,9 +53,9 @@ def from_simulation(simulation: Simulation, schedule: Any, *, start: float = 0.0
 def _needs(action: Action, stage: int, simulation: Simulation) -> Optional[Tuple[int, str]]:
     """The (stage, message) the action receives from another rank, if any."""
     if action.phase is Phase.FORWARD:
-        peer, what = stage - 1, "activation"
+        peer, what = stage - 1, What.ACTIVATION
     elif action.sends_gradient:
-        peer, what = stage + 1, "gradient"
+        peer, what = stage + 1, What.GRADIENT
     else:
         return None
     placement = simulation.placement

@@ -21,14 +21,14 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from seqpipe.schedule import SCHEDULES, Simulation, get_schedule, placement_of
 from seqpipe.trace.costs import predict
 from seqpipe.trace.empty import require_events
-from seqpipe.trace.events import Event, EventKind, Recording, StepRecord
+from seqpipe.trace.events import CONTROL, Event, EventKind, Recording, StepRecord, What
 
 __all__ = ["StageTime", "StepSummary", "Summary", "describe_wait", "summarize"]
 
 _COMM = frozenset({EventKind.SEND, EventKind.REDUCE})
-_PLURAL = {"activation": "activations", "gradient": "gradients", "skip tensor": "skip tensors",
-           "skip gradient": "skip gradients", "start of the step": "the start of the step",
-           "end of the step": "the end of the step", "loss": "the loss"}
+_PLURAL = {What.ACTIVATION: "activations", What.GRADIENT: "gradients", What.SKIP: "skip tensors",
+           What.SKIP_GRAD: "skip gradients", What.STEP: "the start of the step",
+           What.DONE: "the end of the step", What.LOSS: "the loss"}
 """How a wait's message reads after "waited ... for" (others read as they are)."""
 
 
@@ -211,15 +211,10 @@ def describe_wait(event: Event, with_rank: bool = False) -> str:
     return text
 
 
-_CONTROL = frozenset({"start of the step", "end of the step", "loss"})
-"""Messages that open and close a call: waiting on them means waiting for a whole stage to
-finish, which the data waits before it already name."""
-
-
 def _biggest(waits: Sequence[Event]) -> Optional[Event]:
     """The longest wait for data (activations, gradients, skips); the longest wait of any
     kind only when no data wait was recorded."""
-    data = [e for e in waits if e.what not in _CONTROL]
+    data = [e for e in waits if e.what not in CONTROL]
     return max(data or waits, key=lambda e: e.duration, default=None)
 
 

@@ -16,11 +16,11 @@ included::
 """
 from __future__ import annotations
 
-from seqpipe.checkpoint import is_checkpointing, is_recomputing
 from seqpipe.compat.torch_pipe import microbatch, skip, utils
 from seqpipe.compat.torch_pipe.microbatch import NoChunk
 from seqpipe.compat.torch_pipe.pipe import Pipe, PipeSequential, WithDevice
 from seqpipe.compat.torch_pipe.rref import LocalRRef
+from seqpipe.core.flags import is_checkpointing, is_recomputing
 
 __all__ = ["Pipe", "WithDevice", "PipeSequential", "LocalRRef", "NoChunk", "is_checkpointing",
            "is_recomputing", "microbatch", "skip", "utils"]

@@ -33,8 +33,8 @@ from seqpipe.compat._peer import PeerPipe, peer_arguments, verify_peer_module
 from seqpipe.compat._skip import verify_skippables
 from seqpipe.compat.torch_pipe.rref import LocalRRef
 from seqpipe.compat.torchgpipe.batchnorm import convert_deferred_batch_norm
-from seqpipe.microbatch import TensorOrTensors
-from seqpipe.partition import Device, layer_device, verify_module
+from seqpipe.core.microbatch import TensorOrTensors
+from seqpipe.core.partition import Device, layer_device, verify_module
 from seqpipe.pipe import Pipe as _SeqPipe
 
 __all__ = ["Pipe", "PipeSequential", "WithDevice"]

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from seqpipe.partition import Device, check_balance, default_devices
+from seqpipe.core.partition import Device, check_balance, default_devices
 
 __all__ = ["partition_model"]
 

@@ -14,9 +14,9 @@ behaves differently and why.
 from __future__ import annotations
 
 from seqpipe import __version__
-from seqpipe.checkpoint import is_checkpointing, is_recomputing
 from seqpipe.compat.torchgpipe import balance, batchnorm, skip
 from seqpipe.compat.torchgpipe.gpipe import GPipe
+from seqpipe.core.flags import is_checkpointing, is_recomputing
 
 __all__ = ["GPipe", "is_checkpointing", "is_recomputing", "balance", "batchnorm", "skip",
            "__version__"]

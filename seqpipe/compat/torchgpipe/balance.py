@@ -19,7 +19,7 @@ from torch import nn
 from seqpipe.balance import balance_by_size as _balance_by_size
 from seqpipe.balance import balance_by_time as _balance_by_time
 from seqpipe.balance.profile import DeviceLike
-from seqpipe.microbatch import TensorOrTensors
+from seqpipe.core.microbatch import TensorOrTensors
 
 __all__ = ["balance_by_time", "balance_by_size"]
 

@@ -22,9 +22,9 @@ from typing import TypeVar
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from seqpipe.batchnorm import DeferredBatchNorm as _Deferred
-from seqpipe.batchnorm import convert_in_place
-from seqpipe.checkpoint import is_recomputing
+from seqpipe.core.batchnorm import DeferredBatchNorm as _Deferred
+from seqpipe.core.batchnorm import convert_in_place
+from seqpipe.core.flags import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
 

@@ -15,8 +15,8 @@ from seqpipe.compat._peer import (
     verify_peer_module,
 )
 from seqpipe.compat.torchgpipe.batchnorm import convert_deferred_batch_norm
-from seqpipe.microbatch import TensorOrTensors
-from seqpipe.partition import Device, default_devices
+from seqpipe.core.microbatch import TensorOrTensors
+from seqpipe.core.partition import Device, default_devices
 from seqpipe.pipe import Pipe
 
 __all__ = ["GPipe"]

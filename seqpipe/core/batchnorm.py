@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from seqpipe.checkpoint import is_recomputing
+from seqpipe.core.flags import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
 

@@ -21,16 +21,17 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from seqpipe.batchnorm import DeferredBatchNorm
-from seqpipe.checkpoint import Replay, first_pass, run_task
-from seqpipe.microbatch import Batch
-from seqpipe.saved import SavedTensors
-from seqpipe.segments import run_segments, segments_of, skips_between
-from seqpipe.sink import GradSink
+from seqpipe.core.batchnorm import DeferredBatchNorm
+from seqpipe.core.checkpoint import Replay, first_pass, refusing_reentrant, run_task
+from seqpipe.core.entry import Entry, enter
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.saved import SavedTensors
+from seqpipe.core.segments import run_segments, segments_of, skips_between
+from seqpipe.core.sink import GradSink
+from seqpipe.core.split_backward import SplitBackward, autograd_inputs
+from seqpipe.core.stream import move
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
-from seqpipe.split_backward import SplitBackward, autograd_inputs
-from seqpipe.stream import move
 
 __all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "moved", "wants_grad"]
 
@@ -86,54 +87,23 @@ class Grads:
     skips: Dict[SkipKey, Optional[Tensor]]
 
 
-class _Box:
-    """Carries received tensors into, and their gradients out of, ``_Receive``."""
-
-    def __init__(self, tensors: Sequence[Tensor], flags: Sequence[bool]) -> None:
-        self.tensors = tuple(tensors)
-        self.flags = tuple(flags)
-        self.grads: Tuple[Optional[Tensor], ...] = (None,) * len(self.tensors)
-
-
-class _Receive(torch.autograd.Function):
-    """Makes received tensors non-leaf graph nodes whose gradients land in a box.
-
-    The outputs are the received tensors themselves (no copy) but not leaves, so a first
-    layer may modify its input in place exactly as it could in the unpipelined model.
-    Their gradients are caught in the box rather than asked for by tensor, so they stay
-    right even when a layer rewrites a received tensor in place.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, phony: Tensor, box: _Box) -> Tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.box = box
-        ctx.set_materialize_grads(False)
-        outputs = tuple(t.detach() for t in box.tensors)
-        ctx.mark_non_differentiable(*(t for t, f in zip(outputs, box.flags) if not f))
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, None]:  # type: ignore[override]
-        ctx.box.grads = grads
-        return None, None
-
-
 @dataclass
 class TaskState:
     """What one (stage, micro-batch) forward keeps for its backward."""
 
-    phony: Optional[Tensor]
-    box: Optional[_Box]
     num_inputs: int
     skip_keys: Tuple[SkipKey, ...]
-    present: List[int] = field(default_factory=list)  # which received tensors were not None
+    entry: Entry = field(default_factory=Entry)  # how the received tensors entered the graph
     roots: List[Optional[GradientEdge]] = field(default_factory=list)
     skip_roots: Dict[SkipKey, Optional[GradientEdge]] = field(default_factory=dict)
-    input_node: Any = None  # the _Receive node (a split backward stops there)
     replay: Optional["_Pending"] = None  # a checkpointed forward, recomputed at I
     split: Optional[SplitBackward] = None  # between I and W
-    head: Optional[Callable[[Batch], Tensor]] = None  # the loss, on a replayed last stage
+    head: Optional["TaskState"] = None  # the loss's own graph, on a replayed last stage
     saved: Optional[SavedTensors] = None  # split: what the forward saved, freed after I
+
+    def edges(self) -> List[GradientEdge]:
+        """The roots of this micro-batch's graph on the stage (outputs and skips)."""
+        return [e for e in (*self.roots, *self.skip_roots.values()) if e is not None]
 
     def recording(self) -> ContextManager[None]:
         """Around more of this micro-batch's forward (the loss on the last stage): what it
@@ -182,7 +152,8 @@ class Stage:
         ``ReLU(inplace=True)`` just after a partition boundary, at the top level, nested in
         a block, or a custom ``x.mul_()``) would overwrite them. Which layer will write
         cannot be known beforehand, so every checkpointed task copies (a copy per input
-        in the forward and again in the recomputation; see docs/pipe.md for its cost).
+        in the forward and again in the recomputation; see docs/pipe.md for its cost),
+        whether ``torch.utils.checkpoint`` recomputes it or a split backward's ``I`` does.
         The input's non-tensor values come from ``like`` (the recomputation gets the same).
         """
         atomic, constants = like.atomic, like.constants  # not its tensors: not kept alive
@@ -228,10 +199,9 @@ class Stage:
     def _forward_to_replay(self, received: Received, seed: Optional[int],
                            sink: Optional[GradSink]) -> Tuple[Sent, TaskState]:
         tracker = StageSkipTracker(self.crossing, dict(received.skips))
-        protect = bool(getattr(self.partition[0], "inplace", False))
-        out, replay = first_pass(self._call(tracker, received.inputs, protect, sink),
+        out, replay = first_pass(self._call(tracker, received.inputs, True, sink),
                                  received.inputs.tensors, seed=seed, device=self.device)
-        state = TaskState(None, None, len(received.inputs), tuple(received.skips))
+        state = TaskState(len(received.inputs), tuple(received.skips))
         state.replay = _Pending(received, replay, sink)
         sent = self._sent(out, tracker)
         sent.replayed = bool(self.parameters()) or any(received.grad_flags)
@@ -254,17 +224,8 @@ class Stage:
                            split: bool = False) -> Tuple[Sent, TaskState]:
         keys = tuple(received.skips)
         incoming = [*received.inputs.tensors, *(received.skips[k] for k in keys)]
-        present = [i for i, t in enumerate(incoming) if t is not None]
-        state = TaskState(None, None, len(received.inputs), keys, present)
-        if any(received.grad_flags[i] for i in present):
-            state.box = _Box([t for t in incoming if t is not None],
-                             [received.grad_flags[i] for i in present])
-            state.phony = torch.empty(0, device=self.device, requires_grad=True)
-            for i, t in zip(present, _Receive.apply(state.phony, state.box)):
-                incoming[i] = t
-                if state.input_node is None and t.grad_fn is not None:
-                    state.input_node = t.grad_fn
-            state.box.tensors = ()  # the graph holds what it needs; drop our references
+        state = TaskState(len(received.inputs), keys)
+        state.entry = enter(incoming, received.grad_flags, self.device)
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         tracker.replaying = replaying
@@ -275,12 +236,36 @@ class Stage:
                 out = run_segments(self.segments, self._layers(tracker, sink),
                                    received.inputs.like(inputs).value, seed=seed)
             else:
-                out = run_task(self._call(tracker, received.inputs, checkpoint, sink), inputs,
-                               checkpoint=checkpoint, seed=seed)
+                out = run_task(self._call(tracker, received.inputs, checkpoint or replaying,
+                                          sink), inputs, checkpoint=checkpoint, seed=seed)
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
         state.skip_roots = {k: _edge(t) for k, t in sent.skips.items()}
         return sent, state
+
+    def loss(self, state: TaskState, sent: Sent, compute: Callable[[Batch], Tensor]) -> Tensor:
+        """The micro-batch's loss, ``compute(sent.outputs)``, made the root of its backward.
+
+        ``compute`` (the user's ``loss_fn``) runs here, once. A forward that ``I`` will
+        recompute (``state.replay``) has no graph yet: its outputs then enter a graph of the
+        loss's own (``state.head``, saving into its own holders), which ``I`` backpropagates
+        first, to the outputs' gradients the recomputed forward starts from. So the loss
+        is never recomputed, and a ``loss_fn`` that draws random numbers is differentiated
+        at the draw whose loss it returned.
+        """
+        if state.replay is None:
+            with state.recording():
+                loss = compute(sent.outputs)
+            state.roots = [get_gradient_edge(loss)]
+            return loss
+        tensors: List[Optional[Tensor]] = list(sent.outputs.tensors)
+        head = TaskState(len(tensors), (), saved=SavedTensors())
+        head.entry = enter(tensors, [sent.wants_grad(t) for t in tensors], self.device)
+        with head.recording():
+            loss = compute(sent.outputs.like(tensors))  # type: ignore[arg-type]
+        head.roots = [get_gradient_edge(loss)]
+        state.head = head
+        return loss
 
     def backward(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
                  skip_grads: Dict[SkipKey, Optional[Tensor]], *,
@@ -293,9 +278,11 @@ class Stage:
         ``autograd.Function.apply``) still gets its gradient, in ``.grad``.
         """
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
-        wrt = ([state.phony] if state.phony is not None else []) + self._weights(sink)
+        phony = state.entry.phony
+        wrt = ([phony] if phony is not None else []) + self._weights(sink)
         if roots and wrt:
-            torch.autograd.backward(roots, grads, inputs=autograd_inputs(wrt))
+            with refusing_reentrant(self.index, state.edges()):
+                torch.autograd.backward(roots, grads, inputs=autograd_inputs(wrt))
         return self._received_grads(state)
 
     def _weights(self, sink: Optional[GradSink]) -> List[Tensor]:
@@ -311,20 +298,24 @@ class Stage:
         inputs and skips only, returned as ``backward`` returns them. The parameters'
         gradients wait in ``state`` for ``backward_weight``."""
         if state.replay is not None:  # a checkpointed forward: recompute it, once
+            if state.head is not None:  # the loss's graph first: the outputs' gradients
+                grad_outputs = self._input_half(state.head, grad_outputs, {}).inputs
             pending, state.replay = state.replay, None
             with pending.replay.recomputing():
-                sent, fresh = self._forward_with_grad(pending.received, False,
-                                                      pending.replay.seed, pending.sink,
-                                                      replaying=True, split=True)
-                if state.head is not None:
-                    with fresh.recording():
-                        fresh.roots = [get_gradient_edge(state.head(sent.outputs))]
+                _, fresh = self._forward_with_grad(pending.received, False,
+                                                   pending.replay.seed, pending.sink,
+                                                   replaying=True, split=True)
             state.__dict__.update({k: v for k, v in fresh.__dict__.items()
                                    if k not in ("replay", "head")})
+        return self._input_half(state, grad_outputs, skip_grads)
+
+    def _input_half(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
+                    skip_grads: Dict[SkipKey, Optional[Tensor]]) -> Grads:
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
-        state.split = SplitBackward(roots, grads, state.phony, state.input_node,
+        state.split = SplitBackward(roots, grads, state.entry.phony, state.entry.node,
                                     saved=state.saved)
-        state.split.input()
+        with refusing_reentrant(self.index, state.edges()):
+            state.split.input()
         return self._received_grads(state)
 
     def backward_weight(self, state: TaskState, *, sink: Optional[GradSink] = None) -> None:
@@ -332,7 +323,11 @@ class Stage:
         ``sink`` or ``.grad`` as ``backward`` would; frees the micro-batch's graph."""
         assert state.split is not None, "backward_weight before backward_input"
         split, state.split = state.split, None
-        split.weight(self._weights(sink))
+        weights = self._weights(sink)
+        with refusing_reentrant(self.index, state.edges()):
+            split.weight(weights)
+        if state.head is not None and state.head.split is not None:
+            state.head.split.weight(weights)  # parameters that loss_fn itself used, if any
 
     @staticmethod
     def _pairs(state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
@@ -349,11 +344,7 @@ class Stage:
 
     @staticmethod
     def _received_grads(state: TaskState) -> Grads:
-        width = state.num_inputs + len(state.skip_keys)
-        grads: List[Optional[Tensor]] = [None] * width
-        if state.box is not None:
-            for i, g in zip(state.present, state.box.grads):
-                grads[i] = g
+        grads = state.entry.grads(state.num_inputs + len(state.skip_keys))
         skips = dict(zip(state.skip_keys, grads[state.num_inputs:]))
         return Grads(tuple(grads[:state.num_inputs]), skips)
 

@@ -154,7 +154,7 @@ def isolated_rng(seed: int) -> Iterator[None]:
 class PrivateStreams:
     """One task's private generators, followed across the pieces of its forward.
 
-    A partition checkpointed N layers at a time (``seqpipe.segments``) runs its forward
+    A partition checkpointed N layers at a time (``seqpipe.core.segments``) runs its forward
     under ``live()``, one stream from the task's seed as for the whole partition, so the
     pieces draw what the whole would. ``mark()`` notes where the generators stand when a
     piece starts; ``replay(mark)`` gives the piece's recomputation generators that start

@@ -20,7 +20,7 @@ sequence is:
    receiver's compute stream, so the caching allocator reuses neither memory too early.
 
 A hand-off on one device needs no copy and no event: every stage thread runs with the
-caller's current stream for each device (``seqpipe.thread_state``), so producer and
+caller's current stream for each device (``seqpipe.local.thread_state``), so producer and
 consumer are ordered on that one stream, as is the caller's final concatenation.
 Only the generic ``torch.accelerator``/``torch.Stream`` API is used.
 """

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
-from seqpipe.arguments import layer_counts
+from seqpipe.core.arguments import layer_counts
 
 __all__ = ["Device", "check_balance", "refuse_meta", "verify_module", "split_by_balance",
            "split_by_placement", "layer_device", "default_devices"]

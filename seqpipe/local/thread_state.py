@@ -34,7 +34,7 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
-from seqpipe.stream import on_stream
+from seqpipe.core.stream import on_stream
 
 __all__ = ["ThreadState", "stage_threads"]
 

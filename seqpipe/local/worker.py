@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 
 import torch
 
+from seqpipe.local.thread_state import ThreadState
 from seqpipe.schedule import Action
-from seqpipe.thread_state import ThreadState
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
 

@@ -5,50 +5,33 @@ matching backward call (from autograd, when the user backpropagates through the
 pipeline's output) runs their backward actions in reverse micro-batch order. A training
 step (``train_step``) runs a schedule's forwards and backwards together, interleaved as the
 schedule orders them, each micro-batch's backward starting from its loss. The actions
-themselves are run by ``seqpipe.tasks`` (shared with the distributed engine), through a
-``seqpipe.local_step.LocalStep``. Between stages a micro-batch is a device copy through the
+themselves are run by ``seqpipe.core.tasks`` (shared with the distributed engine), through a
+``seqpipe.local.step.LocalStep``. Between stages a micro-batch is a device copy through the
 mailbox; a skip tensor goes straight from the stashing stage to the popping one, and its
 gradient straight back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from seqpipe.local_step import LocalStep
-from seqpipe.microbatch import Batch
-from seqpipe.rng import draw_seeds, needs_private_rng
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.rng import draw_seeds, needs_private_rng
+from seqpipe.core.sink import GradSink
+from seqpipe.core.stage import Stage, moved
+from seqpipe.core.tasks import LossFn
+from seqpipe.local.step import LocalRun, LocalStep
+from seqpipe.local.thread_state import ThreadState
+from seqpipe.local.worker import Program, run_groups
 from seqpipe.schedule import Action, FillDrain, Phase, Schedule, backward_phase, forward_phase
-from seqpipe.sink import GradSink
 from seqpipe.skip.layout import SkipLayout
-from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Grads, Stage, TaskState, moved, wants_grad
-from seqpipe.stream import move
-from seqpipe.tasks import LossFn
-from seqpipe.thread_state import ThreadState
 from seqpipe.trace import hooks
-from seqpipe.trace.events import EventKind
-from seqpipe.worker import Mailbox, Program, run_groups
 
 __all__ = ["LocalPipeline", "LocalRun"]
 
 Optionals = Tuple[Optional[Tensor], ...]
-
-
-@dataclass
-class LocalRun:
-    """One forward call's state, kept until its backward: per-task states and results."""
-
-    num_microbatches: int
-    grad: bool
-    states: Dict[Tuple[int, int], TaskState] = field(default_factory=dict)
-    sink: Optional[GradSink] = None  # where parameter gradients add up, with grad
-    outputs: List[Optional[Batch]] = field(default_factory=list)
-    input_grads: List[Optionals] = field(default_factory=list)
-    trace_step: Optional[int] = None  # its index in an open seqpipe.trace.record()
 
 
 class LocalPipeline:
@@ -78,7 +61,8 @@ class LocalPipeline:
         m, k = len(batches), len(self.stages)
         run = self._open(m, grad)
         run.trace_step = hooks.begin_step(self.schedule, k, k, m, backward=grad)
-        step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m))
+        step = LocalStep(self.stages, self.layout, run, checkpoint_stop=checkpoint_stop,
+                         seeds=self._seeds(m))
         self._put_inputs(step, batches)
         self._run_forwards(step, [[step.program(forward_phase(self._actions(s, m)))]
                                   for s in range(k)], concurrent=self._cpu_stages())
@@ -113,21 +97,6 @@ class LocalPipeline:
         for stage in self.stages:
             stage.finish_forward()
 
-    def _send_forward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int, outputs: Batch,
-                      skips: Dict[SkipKey, Optional[Tensor]],
-                      wants: Callable[[Optional[Tensor]], bool] = wants_grad) -> None:
-        if s + 1 < len(self.stages):
-            with hooks.span(EventKind.SEND, s, i, peer=s + 1, what="activation"):
-                batch, _ = moved(outputs, self.devices[s + 1])
-                mailbox.put(("act", s + 1, i), (batch, tuple(wants(t) for t in outputs.tensors)))
-        else:
-            run.outputs[i] = outputs.like([t.detach() for t in outputs.tensors])
-        for key, tensor in skips.items():
-            dest = self.layout.pop_partition(*key)
-            with hooks.span(EventKind.SEND, s, i, peer=dest, what="skip tensor"):
-                mailbox.put(("skip", dest, i, key), (move(tensor, self.devices[dest]),
-                                                      wants(tensor)))
-
     # -- backward ----------------------------------------------------------------------
     def backward(self, run: LocalRun,
                  grad_outputs: Sequence[Optionals]) -> Dict[nn.Parameter, Tensor]:
@@ -144,7 +113,7 @@ class LocalPipeline:
         m, k = run.num_microbatches, len(self.stages)
         run.input_grads = [()] * m
         hooks.resume_step(run.trace_step)
-        step = LocalStep(self, run)
+        step = LocalStep(self.stages, self.layout, run)
         for i, grads in enumerate(grad_outputs):
             step.mailbox.put(("grad", k - 1, i), grads)
         programs = [step.program(backward_phase(self._actions(s, m))) for s in range(k)]
@@ -154,19 +123,6 @@ class LocalPipeline:
                    ThreadState(concurrent=len(threaded), devices=self.devices))
         hooks.end_step(run.trace_step)
         return dict(run.sink.take()) if run.sink is not None else {}
-
-    def _send_backward(self, mailbox: Mailbox, run: LocalRun, s: int, i: int,
-                       received: Grads) -> None:
-        if s > 0:
-            with hooks.span(EventKind.SEND, s, i, peer=s - 1, what="gradient"):
-                mailbox.put(("grad", s - 1, i),
-                            tuple(move(g, self.devices[s - 1]) for g in received.inputs))
-        else:
-            run.input_grads[i] = received.inputs
-        for key, grad in received.skips.items():
-            src = self.layout.stash_partition(*key)
-            with hooks.span(EventKind.SEND, s, i, peer=src, what="skip gradient"):
-                mailbox.put(("skipgrad", src, i, key), move(grad, self.devices[src]))
 
     # -- a training step under a schedule ----------------------------------------------
     def train_step(self, batches: Sequence[Batch], targets: Sequence[Any], weights: Sequence[float],
@@ -187,8 +143,8 @@ class LocalPipeline:
         run.input_grads = [()] * m
         split = {(a.stage, a.microbatch) for stage in actions for a in stage
                  if a.phase is Phase.BACKWARD_INPUT}
-        step = LocalStep(self, run, checkpoint_stop=checkpoint_stop, seeds=self._seeds(m),
-                         split=split, from_loss=True)
+        step = LocalStep(self.stages, self.layout, run, checkpoint_stop=checkpoint_stop,
+                         seeds=self._seeds(m), split=split, from_loss=True)
         self._put_inputs(step, batches)
         self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
                                   for rank in actions],

@@ -3,15 +3,16 @@
 Every action of a schedule is one task on one stage: ``F`` runs the stage's forward on a
 micro-batch (on the last stage of a training step, also that micro-batch's loss, which
 becomes the root of its backward), ``B`` its backward, ``I`` and ``W`` the two halves of a
-split backward (``seqpipe.split_backward``). The engines differ only in how a task's inputs
+split backward (``seqpipe.core.split_backward``). The engines differ only in how a task's inputs
 arrive and where its results go: the local engine hands them between threads through a
 mailbox, the distributed one sends them between ranks. ``Tasks`` runs the tasks and asks the
 engine for those through four methods (``receive_forward``, ``send_forward``,
 ``receive_backward``, ``send_backward``).
 
-The mini-batch loss is the sum of the micro-batch losses weighted by micro-batch size
-(``split_target``), so that for a mean-reduced ``loss_fn`` the loss and the gradients are
-those of ``loss_fn`` on the whole batch, whatever the sizes of the micro-batches.
+The mini-batch loss is the sum of the micro-batch losses, each times a weight fixed before
+the step (``seqpipe.core.loss_weights``: its share of the samples, or one over the mini-batch's
+count), so that the loss and the gradients are those of the whole batch, whatever the
+micro-batches hold.
 """
 from __future__ import annotations
 
@@ -32,35 +33,19 @@ from typing import (
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
-from seqpipe.microbatch import Batch, scatter
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.sink import GradSink
+from seqpipe.core.stage import Grads, Received, Sent, Stage, TaskState
 from seqpipe.schedule import Action, Phase
-from seqpipe.sink import GradSink
 from seqpipe.skip.tracker import SkipKey
-from seqpipe.stage import Grads, Received, Sent, Stage, TaskState
 from seqpipe.trace import hooks
 from seqpipe.trace.events import KIND_OF_PHASE, EventKind
 
-__all__ = ["LossFn", "Tasks", "microbatch_loss", "split_target"]
+__all__ = ["LossFn", "Tasks", "microbatch_loss"]
 
 LossFn = Callable[[Any, Any], Tensor]
 Optionals = Tuple[Optional[Tensor], ...]
-
-
-def split_target(target: Any, m: int) -> Tuple[List[Any], List[float]]:
-    """``target`` cut like an input of ``m`` micro-batches, and each piece's weight in the
-    mini-batch loss (its share of the samples)."""
-    if target is None:
-        raise ValueError("the target is None, but the last stage needs it for the loss; "
-                         "pass it (to DistributedPipe, on the rank that holds the last "
-                         "stage: pipe.is_last)")
-    pieces = scatter(target, m)
-    if len(pieces) != m:
-        raise ValueError(f"the target has {len(pieces)} samples but the input was cut into "
-                         f"{m} micro-batches; input and target need the same batch size")
-    sizes = [p.tensors[0].shape[0] for p in pieces]
-    return [p.value for p in pieces], [n / sum(sizes) for n in sizes]
 
 
 def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
@@ -176,14 +161,10 @@ class Tasks:
         if s == self.num_stages - 1 and loss_fn is not None and targets is not None:
             assert state is not None
             target, weight = targets[i], weights[i]
-            # held with the forward's saved tensors: a split backward frees them after I
-            with state.recording(), self._computing(Phase.FORWARD, s, i, EventKind.LOSS):
-                loss = microbatch_loss(i, sent.outputs, target, loss_fn, weight)
+            with self._computing(Phase.FORWARD, s, i, EventKind.LOSS):  # loss_fn: once
+                loss = self.stages[s].loss(
+                    state, sent, lambda out: microbatch_loss(i, out, target, loss_fn, weight))
             self.losses.append(loss.detach())
-            if state.replay is None:
-                state.roots = [get_gradient_edge(loss)]
-            else:  # recomputed at I, the loss with it
-                state.head = lambda out: microbatch_loss(i, out, target, loss_fn, weight)
         else:
             self.send_forward(s, i, sent)
         if state is not None:

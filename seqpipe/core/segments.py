@@ -10,7 +10,7 @@ checkpointed; ``N`` only sets the grain inside the partition.
 
 What stays as for a whole-partition checkpoint:
 
-* **Random draws.** With private streams (``seqpipe.rng``), the forward of all segments
+* **Random draws.** With private streams (``seqpipe.core.rng``), the forward of all segments
   draws from the task's one stream, as the whole partition does; each segment's
   recomputation restarts from where the stream stood when the segment began. Without
   them, each segment's checkpoint saves and restores the global generators itself. Either
@@ -36,8 +36,8 @@ from typing import Any, Callable, ContextManager, FrozenSet, List, Optional, Seq
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from seqpipe.checkpoint import checkpointed
-from seqpipe.rng import PrivateStreams
+from seqpipe.core.checkpoint import checkpointed
+from seqpipe.core.rng import PrivateStreams
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
 

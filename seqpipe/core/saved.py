@@ -13,8 +13,15 @@ nodes ``I`` ran that ``W`` does not run, and the tensors die with the last refer
 
 The hooks delegate to those the caller installed (a saved-tensor meter, ``save_on_cpu``):
 their pack runs on the tensor and their unpack on what it returned, as without seqpipe.
-Which holders a node owns is read by touching its saved attributes while *probing*: the
-unpack then notes the holder and hands autograd an empty tensor instead of unpacking.
+Which holders a node owns is read from its raw saved tensors (``node._raw_saved_mat1``),
+whose ``data`` is what the pack hook returned, without unpacking anything. Unpacking would
+run whichever unpack hook packed the tensor: a layer that checkpoints itself
+(``torch.utils.checkpoint(..., use_reentrant=False)`` inside its forward, as Hugging Face
+models do under ``gradient_checkpointing_enable()``) saves its inner tensors under
+torch's own hooks, whose unpack recomputes the layer. (A torch whose ``SavedTensor`` has no
+``data`` attribute is read by touching the saved attributes while *probing*: the unpack
+then notes the holder and hands autograd an empty tensor instead of unpacking; a layer
+that checkpoints itself then needs a newer torch under a split backward.)
 With hooks a saved tensor is not version-checked by autograd, so the unpack checks it:
 modifying a saved tensor in place still raises autograd's error.
 """
@@ -30,6 +37,8 @@ __all__ = ["SavedTensors"]
 
 Node = Any  # torch.autograd.graph.Node
 _NAMES: Dict[type, Tuple[str, ...]] = {}  # node type -> its saved attributes
+_RAW: Dict[type, Tuple[str, ...]] = {}  # node type -> its raw saved attributes
+_READABLE = hasattr(torch._C._autograd.SavedTensor, "data")  # packed values readable as they are
 
 
 class _Held:
@@ -44,6 +53,25 @@ class _Held:
         self.version = tensor._version
         self.dtype = tensor.dtype
         self.device = tensor.device
+
+
+def _raw_names(node: Node) -> Tuple[str, ...]:
+    """The attributes of ``node`` that hold its ``SavedTensor``s (``_raw_saved_mat1``; a
+    custom Function's ``_raw_saved_tensors``, a tuple of them)."""
+    kind = type(node)
+    names = _RAW.get(kind)
+    if names is None:
+        names = _RAW[kind] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+    return names
+
+
+def _packed(node: Node) -> Iterator[Any]:
+    """What the pack hooks returned for each tensor ``node`` saved, read without unpacking."""
+    for name in _raw_names(node):
+        raw = getattr(node, name)
+        for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+            if saved is not None:
+                yield saved.data
 
 
 def _saved_names(node: Node) -> Tuple[str, ...]:
@@ -107,6 +135,8 @@ class SavedTensors:
 
     def _holders(self, nodes: Iterable[Node]) -> Dict[int, _Held]:
         """The holders that ``nodes`` own, by id, read without unpacking them."""
+        if _READABLE:
+            return {id(p): p for node in nodes for p in _packed(node) if isinstance(p, _Held)}
         probe: List[_Held] = []
         self._probe = probe
         try:

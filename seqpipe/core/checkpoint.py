@@ -1,4 +1,4 @@
-"""Per-micro-batch activation checkpointing, and the flags layers can read.
+"""Per-micro-batch activation checkpointing; it sets the flags layers read (``flags.py``).
 
 Built on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the non-reentrant
 form keeps the autograd graph whole (so it composes with DistributedDataParallel, which
@@ -7,48 +7,60 @@ RNG state for the recomputation, and its ``context_fn`` is where the flags below
 """
 from __future__ import annotations
 
-import threading
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.graph import GradientEdge
+from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from seqpipe.rng import isolated_rng
+from seqpipe.core.flags import flag, is_checkpointing, is_recomputing
+from seqpipe.core.rng import isolated_rng
+from seqpipe.core.split_backward import reachable
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
 
-__all__ = ["MODES", "Replay", "check_mode", "checkpoint_stop", "checkpointed", "first_pass",
-           "is_checkpointing", "is_recomputing", "run_task"]
+__all__ = ["MODES", "ReentrantCheckpointError", "Replay", "check_mode", "checkpoint_stop",
+           "checkpointed", "first_pass", "is_checkpointing", "is_recomputing",
+           "refusing_reentrant", "run_task"]
 
 MODES = ("always", "except_last", "never")
 
-_flags = threading.local()
+class ReentrantCheckpointError(RuntimeError):
+    """A layer checkpoints itself with ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=True)``, whose backward seqpipe cannot run.
 
-
-def is_checkpointing() -> bool:
-    """True while a checkpointed micro-batch runs its first (activation-free) forward."""
-    return getattr(_flags, "checkpointing", False)
-
-
-def is_recomputing() -> bool:
-    """True while a checkpointed micro-batch is recomputed for its backward.
-
-    Layers with side effects (updating running statistics, counting steps) should skip
-    them here, since the same micro-batch already ran once.
+    Each stage backpropagates into its own inputs and parameters only
+    (``torch.autograd.backward(..., inputs=...)``), so that its gradients go where the
+    schedule says (a split backward's ``I`` and ``W`` included); the reentrant form runs a
+    backward of its own inside, which torch refuses under ``inputs``. The non-reentrant
+    form (``use_reentrant=False``) works under every schedule and checkpoint mode.
     """
-    return getattr(_flags, "recomputing", False)
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(
+            f"a layer of stage {stage} checkpoints itself with torch.utils.checkpoint."
+            f"checkpoint(..., use_reentrant=True), whose backward cannot run in a pipeline "
+            f"stage (each stage backpropagates with autograd.backward(inputs=...), which the "
+            f"reentrant form refuses); pass use_reentrant=False (for a Hugging Face model: "
+            f"gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': "
+            f"False}})), or leave recomputation to the pipe's own checkpoint= argument")
 
 
 @contextmanager
-def _flag(name: str) -> Iterator[None]:
-    previous = getattr(_flags, name, False)
-    setattr(_flags, name, True)
+def refusing_reentrant(stage: int, roots: Sequence[GradientEdge]) -> Iterator[None]:
+    """Around a backward of stage ``stage`` from ``roots``: torch's refusal to run a reentrant
+    ``torch.utils.checkpoint`` under ``inputs=`` becomes a ``ReentrantCheckpointError``
+    naming the fix. The graph is searched only once a backward has failed."""
     try:
         yield
-    finally:
-        setattr(_flags, name, previous)
+    except RuntimeError as error:
+        if any(getattr(node, "_forward_cls", None) is CheckpointFunction
+               for node in reachable(roots)):
+            raise ReentrantCheckpointError(stage) from error
+        raise
 
 
 def check_mode(mode: object) -> str:
@@ -87,7 +99,7 @@ def run_task(function: Callable[..., Any], args: Tuple[Any, ...], *, checkpoint:
              seed: Optional[int]) -> Any:
     """Run one (stage, micro-batch) forward, checkpointed or not.
 
-    ``seed`` selects private random streams (see ``seqpipe.rng``), which the
+    ``seed`` selects private random streams (see ``seqpipe.core.rng``), which the
     recomputation replays from the same seed; ``None`` keeps the global generators, whose
     state the checkpoint saves and restores itself (right only while no other thread
     draws from them: a single-stage pipeline, or one stage per process).
@@ -112,8 +124,8 @@ def checkpointed(function: Callable[..., Any], args: Tuple[Any, ...], rng: RngCo
 
     def contexts() -> Tuple[ContextManager[None], ContextManager[None]]:
         forward, recompute = rng()
-        return (_entered(_flag("checkpointing"), forward),
-                _entered(_flag("recomputing"), recompute, _recompute(label)))
+        return (_entered(flag("checkpointing"), forward),
+                _entered(flag("recomputing"), recompute, _recompute(label)))
 
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts,
                             preserve_rng_state=preserve_rng_state)
@@ -143,11 +155,11 @@ class Replay:
     @contextmanager
     def _replayed(self) -> Iterator[None]:
         if self.seed is not None:
-            with torch.enable_grad(), _flag("recomputing"):
+            with torch.enable_grad(), flag("recomputing"):
                 yield  # run_task's private stream, reseeded by the caller with ``seed``
             return
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), _flag("recomputing"):
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), flag("recomputing"):
             assert self.cpu_state is not None
             torch.set_rng_state(self.cpu_state)
             if self.device_state is not None:
@@ -163,5 +175,5 @@ def first_pass(function: Callable[..., Any], args: Tuple[Any, ...], *, seed: Opt
         replay.cpu_state = torch.get_rng_state()
         if device.type == "cuda":
             replay.device_state = torch.cuda.get_rng_state(device)
-    with torch.no_grad(), _flag("checkpointing"):
+    with torch.no_grad(), flag("checkpointing"):
         return run_task(function, args, checkpoint=False, seed=seed), replay

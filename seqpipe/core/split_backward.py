@@ -22,7 +22,7 @@ operation runs once, as in one backward: the gradients are those of a full backw
 A root off ``P`` (an output computed from parameters only) is all weight path: ``W``
 backpropagates it with its gradient.
 
-Right after ``I``, what only ``P`` needed is freed (``seqpipe.saved``): the saved tensors of
+Right after ``I``, what only ``P`` needed is freed (``seqpipe.core.saved``): the saved tensors of
 the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
 the roots' gradients; only the weight path's saved tensors and the kept gradients wait for
 ``W``, so a micro-batch between its ``I`` and its ``W`` holds no more than its schedule
@@ -39,9 +39,9 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import has_torch_function
 
-from seqpipe.saved import SavedTensors
+from seqpipe.core.saved import SavedTensors
 
-__all__ = ["SplitBackward", "autograd_inputs"]
+__all__ = ["SplitBackward", "autograd_inputs", "reachable"]
 
 Node = Any  # torch.autograd.graph.Node
 
@@ -65,8 +65,9 @@ def _walk(roots: Sequence[Node], target: Node) -> Dict[Node, bool]:
     return reaches
 
 
-def _below(edges: Sequence[GradientEdge]) -> List[Node]:
-    """Every node reachable through ``edges`` (the weight path behind a boundary node)."""
+def reachable(edges: Sequence[GradientEdge]) -> List[Node]:
+    """Every node reachable through ``edges`` (the weight path behind a boundary node; a
+    stage's whole graph from its roots)."""
     seen: Dict[Node, None] = {}
     stack = [e.node for e in edges]
     while stack:
@@ -128,7 +129,7 @@ class SplitBackward:
         weight_path: List[Node] = []
         for root, grad in zip(self.roots, self.grads):
             if root.node not in path:
-                below = _below([root])
+                below = reachable([root])
                 self.off_path.append((root, grad, _leaves(below)))
                 weight_path += below
         for node in path:
@@ -137,7 +138,7 @@ class SplitBackward:
             edges = [GradientEdge(c, nr) for c, nr in node.next_functions
                      if c is not None and c not in path]
             if edges:
-                below = _below(edges)
+                below = reachable(edges)
                 self.leaves[node] = _leaves(below)
                 weight_path += [node, *below]
         handles = [node.register_prehook(self._keeper(node)) for node in self.leaves]

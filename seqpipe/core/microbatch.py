@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from seqpipe.nochunk import NoChunk, holds_tensor
+from seqpipe.core.nochunk import NoChunk, holds_tensor
 
 __all__ = ["Batch", "Input", "TensorOrTensors", "check_input", "scatter", "gather",
            "gather_grad"]

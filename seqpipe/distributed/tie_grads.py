@@ -1,0 +1,130 @@
+"""The gradients of weights tied across ranks over one ``train_step``: what the step added,
+summed over the ranks that hold a copy.
+
+Each rank that uses a tie holds a copy (``seqpipe.distributed.ties``); at the end of a step
+each copy's gradient is summed over the holders, so every copy gets the plain model's
+gradient, the sum over all uses. Two things make "each copy's gradient" more than
+``.grad``:
+
+* **Accumulation.** ``.grad`` may hold earlier steps' gradients (two ``train_step`` calls
+  without ``zero_grad()`` between them), which every copy already holds summed; summing
+  ``.grad`` again would count them once more per holder. So at the start of the step
+  each trained copy's ``.grad`` is set aside (``None`` meanwhile), the step's backward
+  fills a fresh one, that is summed, and the earlier gradient is added back, in place
+  in the tensor ``.grad`` held (as autograd accumulates). Exact: nothing is subtracted.
+  Meanwhile a hook on a tied copy (a post-accumulate hook, the data-parallel reducer's)
+  sees this step's gradient, not the earlier steps' (the reducer's mean is unchanged by
+  it). A failed step puts the earlier gradient back under what the step left, unsummed.
+* **Freezing.** Which ties are summed follows ``requires_grad`` at the start of every
+  step, as the data-parallel reducer does: a tie unfrozen later is summed from then on,
+  and a frozen one is left alone (``.grad`` stays ``None`` after ``zero_grad()``, so
+  AdamW leaves it alone too). The ranks agree in one small all-gather over the pipeline
+  group at the end of the step: per tie and rank, no copy, frozen, trained, or trained
+  and given a gradient by this step. That names a tie frozen on some of its holders only
+  (each rank raises, instead of one rank waiting in a sum the others never start), tells
+  a rank without a copy whether to take part (on a pipeline group made by hand, where
+  it adds zeros), and skips a tie that no holder got a gradient for in this step (its
+  ``.grad`` stays as it was, ``None`` included, as with DDP); a holder that got none while
+  another did gets the sum.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpipe.distributed.ties import TiedCopies
+
+__all__ = ["TieGrads"]
+
+# A rank's word on a tie, per step (the all-gather's values).
+NO_COPY, FROZEN, TRAINED, GIVEN = -1, 0, 1, 2
+
+
+class TieGrads:
+    """One step's gradients of this rank's tied copies: ``set_aside`` at the start,
+    ``reduce`` at the end (collective over the pipeline group), or ``put_back`` after a
+    failure."""
+
+    def __init__(self, copies: TiedCopies) -> None:
+        self.copies = copies
+        # Per tie, from the start of the step: whether this rank's copy is trained, and
+        # what its .grad held then (set aside).
+        self.trained: List[bool] = [False] * len(copies.ties)
+        self.earlier: List[Optional[Tensor]] = [None] * len(copies.ties)
+
+    def set_aside(self) -> None:
+        """Start of a step: note which copies are trained (``requires_grad`` now) and set
+        their ``.grad`` aside, so that the step's backward fills a fresh one."""
+        self.trained = [c is not None and c.requires_grad for c in self.copies.copies]
+        for t, copy in enumerate(self.copies.copies):
+            if self.trained[t]:
+                assert copy is not None
+                self.earlier[t], copy.grad = copy.grad, None
+
+    def put_back(self) -> None:
+        """Add what was set aside back to each copy's ``.grad`` (the tensor it was)."""
+        for t, copy in enumerate(self.copies.copies):
+            earlier, self.earlier[t] = self.earlier[t], None
+            if earlier is None:
+                continue
+            assert copy is not None
+            if copy.grad is not None:
+                earlier.add_(copy.grad)
+            copy.grad = earlier
+
+    def reduce(self) -> None:
+        """End of a step: agree on which ties to sum, sum this step's gradient of each over
+        its holders (every all-reduce started before any is waited for), then add back
+        what earlier steps left.
+
+        Raises:
+            RuntimeError: on every rank, a tie trained on some holders and frozen on
+                others.
+        """
+        words = self._words()
+        said = [[words[r][t] for r in tie.stages] for t, tie in enumerate(self.copies.ties)]
+        for tie, theirs in zip(self.copies.ties, said):
+            if FROZEN in theirs and any(w >= TRAINED for w in theirs):
+                self.put_back()
+                raise RuntimeError(_mixed(tie.describe(), tie.stages, theirs))
+        waits = []
+        for t in range(len(self.copies.ties)):
+            if GIVEN not in said[t] or self.copies.sum_groups[t] is None:
+                continue  # frozen, or no gradient anywhere, or not this rank's sum
+            copy = self.copies.copies[t]
+            if copy is not None and copy.grad is None:
+                copy.grad = torch.zeros_like(copy)
+            waits.append(self.copies.start_sum(t, copy.grad if copy is not None else None))
+        for wait in waits:
+            wait()
+        self.put_back()
+
+    def _words(self) -> List[List[int]]:
+        """Per rank of the pipeline, per tie: its word (``NO_COPY`` ... ``GIVEN``)."""
+        mine = []
+        for copy, trained in zip(self.copies.copies, self.trained):
+            if copy is None:
+                mine.append(NO_COPY)
+            elif not trained:
+                mine.append(FROZEN)
+            else:
+                mine.append(GIVEN if copy.grad is not None else TRAINED)
+        local = torch.tensor(mine, dtype=torch.int64, device=self.copies.device)
+        group = self.copies.group
+        everyone = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, local, group=group)
+        return [w.tolist() for w in everyone]
+
+
+def _mixed(tie: str, stages: Sequence[int], said: List[int]) -> str:
+    """The error for a tie trained on some of its holders (``stages``) and frozen on others."""
+    trained = [s for s, w in zip(stages, said) if w >= TRAINED]
+    frozen = [s for s, w in zip(stages, said) if w == FROZEN]
+    return (f"the tied parameter {tie} requires grad on stages {trained} but not on "
+            f"{frozen}: its copies would no longer get the same gradient. Set requires_grad "
+            f"of a tied parameter on every rank alike, between steps: through the model you "
+            f"built the pipe from (e.g. model[0].weight.requires_grad_(False)), which "
+            f"reaches each rank's copy")
