@@ -2,11 +2,13 @@
 
 The data is synthetic but learnable (each class is a fixed random image plus noise), so the
 loss visibly falls without any download. The model is split over the default devices — every
-GPU if there are several, else two ``cpu`` partitions — with a balance chosen by profiling.
+GPU if there are several, else two ``cpu`` partitions — with a balance chosen by profiling,
+and its throughput is shown beside the same model's, unpipelined.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import pathlib
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -16,7 +18,7 @@ from torch import Tensor, nn
 
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
 from seqpipe.pipe import Pipe
-from seqpipe.schedule import simulate
+from seqpipe.schedule import SCHEDULES, get_schedule, placement_of, simulate
 from seqpipe.trace import Recorder, record
 
 __all__ = ["build_model", "make_data", "main", "parse_args", "run_distributed", "sample_batch"]
@@ -67,15 +69,38 @@ def default_split() -> Tuple[int, List[str]]:
     return 2, ["cpu", "cpu"]
 
 
+def num_stages(schedule: str, ranks: int) -> int:
+    """How many stages ``schedule`` runs on ``ranks`` devices or processes (2 per rank for
+    the interleaved and V-shaped ones)."""
+    return placement_of(get_schedule(schedule), ranks).num_stages
+
+
 def choose_balance(how: str, partitions: int, model: nn.Sequential, sample: Tensor,
                    chunks: int) -> List[int]:
-    """Pick the balance the way the user asked on the command line."""
+    """Pick the balance the way the user asked on the command line.
+
+    ``size`` (the default) is the same on every run; ``time`` measures, so on a machine
+    with other work it can differ from run to run (the layers' times move with the load).
+    """
     if how == "params":
         return balance_by_params(partitions, model)
     if how == "size":
         return balance_by_size(partitions, model, sample, chunks=chunks)
     return balance_by_time(partitions, model, sample[: max(1, len(sample) // chunks)],
                            timeout=0.5)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, except ``None`` (the help says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+LOCAL_SCHEDULES = [name for name in SCHEDULES if name != "gpipe"]  # gpipe = fill_drain
+"""What ``--schedule`` offers: every built-in; ``auto`` too with ``--processes``."""
 
 
 def _positive(text: str) -> int:
@@ -88,7 +113,7 @@ def _positive(text: str) -> int:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line of ``python -m seqpipe`` (``--help`` lists every option)."""
     parser = argparse.ArgumentParser(prog="python -m seqpipe", description=__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--steps", type=_positive, default=30, help="training steps")
     parser.add_argument("--batch", type=_positive, default=32, help="mini-batch size")
     parser.add_argument("--chunks", type=_positive, default=4,
@@ -98,18 +123,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", default="except_last",
                         choices=["always", "except_last", "never"],
                         help="which micro-batches recompute their activations in backward")
-    parser.add_argument("--balance-by", default="time", choices=["time", "size", "params"],
-                        help="how the layers are split over the partitions")
+    parser.add_argument("--balance-by", default="size", choices=["size", "time", "params"],
+                        help="how the layers are split over the partitions: by the memory "
+                             "training keeps (the same every run), by measured time (the "
+                             "fastest split, but it follows the machine's load, so it can "
+                             "differ between runs) or by parameter count")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed of model and data")
     parser.add_argument("--processes", type=_positive, default=None,
                         help="run DistributedPipe over this many local processes, one stage "
                              "each (gloo on CPU, NCCL when every process gets a GPU) instead "
                              "of the local Pipe")
-    parser.add_argument("--schedule", default="1f1b",
-                        choices=["1f1b", "fill_drain", "zb_h1", "zb_h2"],
+    parser.add_argument("--schedule", default="1f1b", choices=[*LOCAL_SCHEDULES, "auto"],
                         help="the clock of each training step (Pipe.train_step, or "
-                             "DistributedPipe.train_step with --processes)")
+                             "DistributedPipe.train_step with --processes); the interleaved "
+                             "and V-shaped ones run 2 stages per device or process; auto "
+                             "(measure, then pick) needs --processes")
     parser.add_argument("--trace", metavar="DIR", type=pathlib.Path, default=None,
                         help="write the last step's measured timeline to DIR/trace.json "
                              "(Chrome trace: Perfetto, chrome://tracing) and DIR/trace.svg, "
@@ -119,19 +148,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.processes is not None and args.partitions is not None:
         parser.error("--partitions is for the local Pipe; with --processes every process "
                      "is one stage: give one of them")
+    if args.schedule == "auto" and args.processes is None:
+        parser.error("--schedule auto measures the first step and picks a schedule, which "
+                     "only DistributedPipe does: add --processes N, or name a schedule")
     for option in ("processes", "partitions"):
-        if (getattr(args, option) or 0) > layers:
-            parser.error(f"--{option} {getattr(args, option)}: the demo model has {layers} "
-                         f"layers, so at most {layers} stages")
+        count = getattr(args, option)
+        if count is not None and num_stages(args.schedule, count) > layers:
+            parser.error(f"--{option} {count}: with --schedule {args.schedule} that is "
+                         f"{num_stages(args.schedule, count)} stages, but the demo model has "
+                         f"{layers} layers, so at most {layers} stages")
     return args
 
 
-def _print_schedule(schedule: str, stages: int, chunks: int) -> None:
-    """The clock the run used, as the simulator draws it with equal costs per stage."""
-    plan = simulate(schedule, stages, chunks)
-    print(f"schedule {schedule!r}, {stages} stages x {chunks} micro-batches (equal costs; "
-          f"bubble {plan.bubble_fraction:.0%}):")
-    print(plan.chart())
+def _print_schedule(schedule: str, ranks: int, chunks: int, row: str) -> None:
+    """The clock the run used, as the simulator draws it with equal costs per stage; its
+    rows are ``row``s (a local Pipe's threads, or processes' ranks)."""
+    plan = simulate(schedule, ranks, chunks)
+    print(f"schedule {schedule!r}, {num_stages(schedule, ranks)} stages x {chunks} "
+          f"micro-batches (equal costs; bubble {plan.bubble_fraction:.0%}):")
+    print(plan.chart(label=row))
 
 
 def _describe_stages(model: nn.Sequential, balance: Sequence[int],
@@ -146,10 +181,31 @@ def _describe_stages(model: nn.Sequential, balance: Sequence[int],
 StepFn = Callable[[Tensor, Tensor], float]
 
 
+def unpipelined_rate(model: nn.Sequential, device: torch.device, args: argparse.Namespace,
+                     steps: int = 3) -> float:
+    """Samples/s of a copy of ``model``, unpipelined on ``device``, over ``steps`` steps
+    (after one warm-up) of the demo's data: what pipelining is compared with."""
+    plain = copy.deepcopy(model).to(device)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    start, seen = 0.0, 0
+    for step, (images, labels) in enumerate(make_data(steps + 1, args.batch, seed=1)):
+        if step == 1:
+            start = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(plain(images.to(device)), labels.to(device)).backward()
+        optimizer.step()
+        seen += len(images) if step else 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return seen / (time.perf_counter() - start)
+
+
 def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
-           talk: bool) -> Tuple[float, Recorder]:
-    """Run ``step_fn(images, labels) -> loss`` over ``data``; print the loss and the rate.
-    The last step runs inside ``seqpipe.trace.record()``: its recorder is returned."""
+           talk: bool, baseline: float = float("nan")) -> Tuple[float, Recorder]:
+    """Run ``step_fn(images, labels) -> loss`` over ``data``; print the loss and the rate
+    so far, beside the ``baseline`` rate of the unpipelined model. The last step runs
+    inside ``seqpipe.trace.record()``: its recorder is returned."""
     start, seen, loss_value = time.perf_counter(), 0, float("nan")
     recorder = record()
     for step, (images, labels) in enumerate(data, 1):
@@ -161,12 +217,13 @@ def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
         seen += len(images)
         if talk and (step == 1 or step % 5 == 0 or step == steps):
             rate = seen / (time.perf_counter() - start)
-            print(f"step {step:3d}/{steps}  loss {loss_value:.4f}  {rate:8.1f} samples/s",
-                  flush=True)
+            print(f"step {step:3d}/{steps}  loss {loss_value:.4f}  {rate:8.1f} samples/s "
+                  f"(running average; unpipelined {baseline:.1f})", flush=True)
     elapsed = time.perf_counter() - start
     if talk:
-        print(f"done: {seen} samples in {elapsed:.2f} s ({seen / elapsed:.1f} samples/s), "
-              f"final loss {loss_value:.4f}", flush=True)
+        print(f"done: {seen} samples in {elapsed:.2f} s, {seen / elapsed:.1f} samples/s "
+              f"pipelined against {baseline:.1f} unpipelined; final loss {loss_value:.4f}",
+              flush=True)
     return loss_value, recorder
 
 
@@ -191,6 +248,9 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     if args.processes is not None:
         from seqpipe.launch import spawn_local
 
+        torch.manual_seed(args.seed)
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        args.baseline = unpipelined_rate(build_model(), device, args)  # with every core
         spawn_local(args.processes, run_distributed, args)
         return float("nan")
     torch.manual_seed(args.seed)
@@ -199,10 +259,13 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
         partitions = args.partitions
         devices = (devices * partitions)[:partitions] if devices[0] == "cpu" else devices
     model = build_model()
-    balance = choose_balance(args.balance_by, partitions, model,
+    placement = placement_of(get_schedule(args.schedule), partitions)
+    balance = choose_balance(args.balance_by, placement.num_stages, model,
                              sample_batch(args.batch, args.seed), args.chunks)
+    baseline = unpipelined_rate(model, torch.device(devices[0]), args)
     pipe = Pipe(model, chunks=args.chunks, checkpoint=args.checkpoint,
-                deferred_batch_norm=True, balance=balance, devices=devices[:partitions])
+                deferred_batch_norm=True, balance=balance,
+                devices=[devices[placement.rank_of(s)] for s in range(placement.num_stages)])
     print(f"seqpipe demo: {len(model)} layers split as balance={pipe.balance} "
           f"(by {args.balance_by}) over {[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
@@ -218,8 +281,8 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
         return loss.item()
 
     loss_value, recorder = _train(step, make_data(args.steps, args.batch, seed=args.seed),
-                                  args.steps, talk=True)
-    _print_schedule(args.schedule, len(pipe.balance), min(args.chunks, args.batch))
+                                  args.steps, talk=True, baseline=baseline)
+    _print_schedule(args.schedule, partitions, min(args.chunks, args.batch), "thread")
     _show_trace(recorder, args.trace)
     return loss_value
 
@@ -239,9 +302,10 @@ def run_distributed(args: argparse.Namespace) -> float:
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     torch.manual_seed(args.seed)
     model = build_model()
-    balance = torch.zeros(world, dtype=torch.int64, device=device)
+    balance = torch.zeros(num_stages(args.schedule, world), dtype=torch.int64, device=device)
+    baseline = getattr(args, "baseline", float("nan"))  # measured by the launcher, if any
     if rank == 0:
-        chosen = choose_balance(args.balance_by, world, model,
+        chosen = choose_balance(args.balance_by, len(balance), model,
                                 sample_batch(args.batch, args.seed), args.chunks)
         balance.copy_(torch.tensor(chosen))
     dist.broadcast(balance, src=0)
@@ -250,7 +314,9 @@ def run_distributed(args: argparse.Namespace) -> float:
         print(f"seqpipe distributed demo: {len(model)} layers over {world} {noun} "
               f"({dist.get_backend()}), balance={balance.tolist()}, chunks={args.chunks}, "
               f"schedule={args.schedule!r}, checkpoint={args.checkpoint!r}", flush=True)
-        _describe_stages(model, balance.tolist(), [f"rank {r}" for r in range(world)], "stage")
+        ranks = [f"rank {placement_of(get_schedule(args.schedule), world).rank_of(s)}"
+                 for s in range(len(balance))]
+        _describe_stages(model, balance.tolist(), ranks, "stage")
     pipe = DistributedPipe(model, chunks=args.chunks, balance=balance.tolist(),
                            schedule=args.schedule, checkpoint=args.checkpoint,
                            deferred_batch_norm=True, device=device)
@@ -265,8 +331,9 @@ def run_distributed(args: argparse.Namespace) -> float:
         return loss.item()
 
     loss_value, recorder = _train(step, make_data(args.steps, args.batch, seed=args.seed),
-                                  args.steps, talk=rank == 0)
+                                  args.steps, talk=rank == 0, baseline=baseline)
     if rank == 0:  # holds every rank's events, gathered when the last step's block ended
-        _print_schedule(args.schedule, world, min(args.chunks, args.batch))
+        ran = pipe.auto_choice.name if pipe.auto_choice is not None else args.schedule
+        _print_schedule(ran, world, min(args.chunks, args.batch), "rank")
         _show_trace(recorder, args.trace)
     return loss_value

@@ -15,8 +15,13 @@ from seqpipe.demo import main, make_data, parse_args
     (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["--processes", "0"], "argument --processes: must be at least 1, got 0"),
     (["--processes", "-1"], "argument --processes: must be at least 1, got -1"),
-    (["--processes", "25"], "--processes 25: the demo model has 20 layers, so at most 20"),
+    (["--processes", "25"], "--processes 25: with --schedule 1f1b that is 25 stages, but the "
+                            "demo model has 20 layers, so at most 20"),
     (["--partitions", "2", "--processes", "2"], "--partitions is for the local Pipe"),
+    (["--schedule", "auto"], "--schedule auto measures the first step and picks a schedule, "
+                             "which only DistributedPipe does: add --processes N"),
+    (["--processes", "11", "--schedule", "zbv"], "--processes 11: with --schedule zbv that "
+                                                 "is 22 stages, but the demo model has 20"),
 ])
 def test_bad_options_get_one_line_errors(argv: list, message: str,
                                          capsys: pytest.CaptureFixture) -> None:
@@ -35,6 +40,11 @@ def test_help_shows_every_option_with_its_default(capsys: pytest.CaptureFixture)
                    "--balance-by", "--lr", "--seed", "--processes", "--schedule", "--trace"):
         assert option in text, option
     assert "(default: 30)" in text and "(default: except_last)" in text
+    assert "(default: None)" not in text  # --partitions, --processes, --trace say it in words
+    assert "(default: the GPUs, or 2 on CPU)" in text and "(default: size)" in text
+    schedules = text.split("--schedule {", 1)[1].split("}", 1)[0].split(",")
+    assert schedules == ["fill_drain", "1f1b", "zb_h1", "zb_h2", "interleaved_1f1b",
+                         "looped_bfs", "interleaved_zb", "zbv", "dualpipev", "auto"]
 
 
 def test_data_is_made_step_by_step() -> None:
@@ -49,8 +59,20 @@ def test_local_run_trains_and_shows_the_clock(capsys: pytest.CaptureFixture) -> 
     assert loss == loss  # a number, not NaN
     assert "partition 0 on cpu:" in out and "partition 1 on cpu:" in out
     assert "schedule '1f1b', 2 stages x 4 micro-batches" in out and "bubble 20%" in out
-    assert "rank 0: F0 F1 " in out and "rank 1: .  F0 B0 " in out
+    assert "thread 0: F0 F1 " in out and "thread 1: .  F0 B0 " in out  # no ranks here
+    assert "samples/s (running average; unpipelined " in out
+    assert "samples/s pipelined against " in out and " unpipelined; final loss " in out
     assert out.strip().splitlines()[-1].startswith("trace: 1 step, ")  # the last step's
+
+
+def test_local_run_of_a_schedule_with_two_stages_per_thread(
+        capsys: pytest.CaptureFixture) -> None:
+    main(["--steps", "1", "--batch", "8", "--balance-by", "params", "--schedule",
+          "interleaved_1f1b"])
+    out = capsys.readouterr().out
+    assert "partition 3 on cpu:" in out and "partition 4" not in out
+    assert "schedule 'interleaved_1f1b', 4 stages x 4 micro-batches" in out
+    assert "thread 1: " in out and "thread 2" not in out
 
 
 def test_trace_option_writes_the_last_steps_json_and_svg(

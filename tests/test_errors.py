@@ -149,6 +149,44 @@ def test_layer_returning_a_non_tensor_at_a_boundary():
     assert any("stage 0" in note for note in info.value.__notes__)
 
 
+class ReturnsOutput(nn.Module):
+    """Ends a model the way a Hugging Face model does: a ModelOutput (a dict) of tensors."""
+
+    class ModelOutput(dict):
+        pass
+
+    def forward(self, x):
+        return self.ModelOutput(logits=x, hidden_states=(x,))
+
+
+@pytest.mark.parametrize("balance", [[2], [1, 1]], ids=["one partition", "two partitions"])
+def test_last_layer_returning_a_model_output_names_the_pipelines_output(balance):
+    """Even with one partition, there is no partition boundary to blame: the pipeline's
+    output is what is wrong, and the mend is a last layer that picks the tensors out."""
+    pipe = cpu_pipe(nn.Sequential(nn.Linear(2, 2), ReturnsOutput()), balance)
+    with pytest.raises(TypeError) as info:
+        pipe(torch.randn(2, 2))
+    message = str(info.value)
+    assert message.startswith("the pipeline's output (what the model's last layer "
+                              "(ReturnsOutput) returns) must be a tensor or a tuple of tensors")
+    assert "got a ModelOutput with keys (logits, hidden_states)" in message
+    assert "end the nn.Sequential with a layer that returns the tensors you need" in message
+    assert "partition boundary" not in message
+
+
+def test_a_middle_layer_returning_a_dict_names_the_partition_boundary():
+    class ReturnsDict(nn.Module):
+        def forward(self, x):
+            return {"x": x}
+
+    pipe = cpu_pipe(nn.Sequential(ReturnsDict(), nn.Identity()), [1, 1])
+    with pytest.raises(TypeError, match=r"what passes between partitions \(the output of "
+                                        r"the layer \(ReturnsDict\) before the partition "
+                                        r"boundary\) must be .* got a dict with keys \(x\); "
+                                        r"return tensors from that layer"):
+        pipe(torch.randn(2, 2))
+
+
 class Total(nn.Module):
     def forward(self, x):
         return x.sum()
@@ -363,6 +401,42 @@ def test_a_meta_device_is_refused_before_any_layer_moves():
     with pytest.raises(ValueError, match=r"devices \['cpu', 'meta'\] include meta"):
         Pipe(model, balance=[2, 1], devices=["cpu", "meta"])
     assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_up_front_with_the_mend():
+    """torch alone fails late, with a bare AssertionError; the check names the fix, and
+    nothing has moved when it does."""
+    model = mlp()
+    first = model[0].weight
+    built = torch.backends.cuda.is_built()
+    message = (r"devices \['cpu', 'cuda:0'\] include CUDA devices, but this PyTorch build "
+               r"has no CUDA support .*; install a CUDA build of torch, or use \"cpu\" for "
+               r"every partition \(e.g. devices=\['cpu', 'cpu'\]\)" if not built else
+               r"devices \['cpu', 'cuda:0'\] include cuda:0, but no CUDA device is visible")
+    with pytest.raises(ValueError, match=message):
+        Pipe(model, balance=[2, 1], devices=["cpu", "cuda:0"])
+    with pytest.raises(ValueError, match=message.replace("'cpu', 'cuda:0'", "'cpu', 'cuda:1'")
+                       .replace("include cuda:0", "include cuda:1")):
+        Pipe(model, balance=[2, 1], devices=["cpu", 1])
+    assert model[0].weight is first and first.device.type == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_distributed_pipe_refuses_a_cuda_device_without_cuda(tmp_path):
+    import torch.distributed as dist
+
+    from seqpipe.distributed import DistributedPipe
+
+    if dist.is_initialized():
+        pytest.skip("needs no process group in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"device \['cuda:0'\] include"):
+            DistributedPipe(mlp(), device="cuda:0")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_list_is_taken_as_a_tuple_everywhere():

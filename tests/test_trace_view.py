@@ -177,6 +177,35 @@ def test_svg_labels_only_boxes_wide_enough_and_escapes_text() -> None:
     assert any("<odd & name>" in t for t in titles)
 
 
+def test_svg_names_stay_visible_over_a_recomputation() -> None:
+    """A recomputation lies inside its backward: it is drawn as a band across the top of
+    the backward's box, and every name is drawn after (on top of) every box."""
+    ev = [Event(F, 0, 0.0, 40 * MS, 0),
+          Event(EventKind.RECOMPUTE, 0, 40 * MS, 80 * MS, 0), Event(B, 0, 40 * MS, 100 * MS, 0)]
+    rec = Recording(ev, [_step(0, 0.0, 100 * MS, 1, 1)])
+    row = _rows(_sections(render_svg(rec, simulated=False))["measured"])[0]
+    children = list(row)
+    name = next(c for c in children if c.tag == f"{SVG}text" and c.text == "B0")
+    boxes = [c for c in children if c.tag == f"{SVG}rect" and c.get("class") is not None]
+    assert all(children.index(box) < children.index(name) for box in boxes)
+    band = next(b for b in boxes if b.get("class") == "recompute")
+    backward = next(b for b in boxes if b.get("class") == "backward")
+    cap_top = float(name.get("y")) - 0.75 * float(name.get("font-size"))
+    assert float(band.get("y")) + float(band.get("height")) <= cap_top
+    assert float(band.get("height")) < float(backward.get("height")) / 2
+
+
+def test_svg_axis_word_time_clears_the_first_tick_label() -> None:
+    root = ET.fromstring(render_svg(_hand_made()).encode("utf-8"))
+    axis = next(g for g in root.iter(f"{SVG}g") if g.get("class") == "axis")
+    texts = {t.text: t for t in axis.iter(f"{SVG}text")}
+    word, zero = texts["time"], texts["0.00 ms"]
+    assert word.get("text-anchor") == "end" and zero.get("text-anchor") == "middle"
+    # 0.6 em per character over-estimates a sans-serif label's width
+    zero_left = float(zero.get("x")) - 0.6 * float(zero.get("font-size")) * len(zero.text) / 2
+    assert float(word.get("x")) + 4 <= zero_left
+
+
 def test_svg_of_one_step_and_a_step_without_a_plan() -> None:
     first = _simulated(start=0.0, step=0)
     second = _simulated(start=1.0, step=1)

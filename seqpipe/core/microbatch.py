@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -38,26 +38,31 @@ class Batch:
     constants: Constants = ()
 
     @classmethod
-    def of(cls, value: TensorOrTensors) -> "Batch":
-        """Wrap a layer's output (a tensor, or a tuple of tensors and constants)."""
+    def of(cls, value: TensorOrTensors, *, layer: Optional[str] = None,
+           last: bool = False) -> "Batch":
+        """Wrap a layer's output (a tensor, or a tuple of tensors and constants).
+
+        ``layer`` names the layer that returned ``value`` and ``last`` says it ends the
+        model (so ``value`` is the pipeline's output): the errors then say whose output is
+        wrong and how to mend it there.
+        """
         if isinstance(value, Tensor):
             return cls((value,), True)
+        what, mend = _where(layer, last)
         if not isinstance(value, (tuple, list)):
             raise TypeError(
-                f"a pipeline carries a tensor or a tuple of tensors between partitions (the "
-                f"tuple may also hold non-tensor values), got {_describe(value)}; return "
-                f"tensors from the layer at the partition boundary")
+                f"{what} must be a tensor or a tuple of tensors (the tuple may also hold "
+                f"non-tensor values), got {_describe(value)}; {mend}")
         for i, item in enumerate(value):
             if not isinstance(item, Tensor) and holds_tensor(item):
                 raise TypeError(
-                    f"a pipeline carries a tensor or a tuple of tensors between partitions, "
-                    f"got {_describe(value)} whose item {i} {_nested(item)}; return each "
-                    f"tensor as an item of the tuple")
+                    f"{what} must be a tensor or a tuple of tensors, got {_describe(value)} "
+                    f"whose item {i} {_nested(item)}; return each tensor as an item of the "
+                    f"tuple")
         if not any(isinstance(item, Tensor) for item in value):
             raise TypeError(
-                f"a pipeline carries a tensor or a tuple of tensors between partitions (the "
-                f"tuple may also hold non-tensor values), got {_describe(value)} with no "
-                f"tensor; return at least one tensor from the layer at the partition boundary")
+                f"{what} must be a tensor or a tuple of tensors (the tuple may also hold "
+                f"non-tensor values), got {_describe(value)} with no tensor; {mend}")
         return cls._split(value, False)
 
     @classmethod
@@ -87,7 +92,23 @@ class Batch:
 def _describe(value: object) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
+    if isinstance(value, Mapping):  # a dict, or a Hugging Face ModelOutput
+        return f"a {type(value).__name__} with keys ({', '.join(map(str, value))})"
     return f"a {type(value).__name__}"
+
+
+def _where(layer: Optional[str], last: bool) -> Tuple[str, str]:
+    """Whose output a micro-batch is, and how to make it one a pipeline can carry."""
+    named = f" ({layer})" if layer else ""
+    if last:
+        return (f"the pipeline's output (what the model's last layer{named} returns)",
+                "end the nn.Sequential with a layer that returns the tensors you need (say "
+                "out.logits or out['logits'] of a ModelOutput or dict), and build anything "
+                "else from them outside the pipeline")
+    return (f"what passes between partitions (the output of the layer{named} before the "
+            f"partition boundary)",
+            "return tensors from that layer, or move the boundary (balance) to a layer that "
+            "does")
 
 
 def _nested(item: object) -> str:

@@ -14,8 +14,8 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from seqpipe.core.arguments import layer_counts
 
-__all__ = ["Device", "check_balance", "refuse_meta", "verify_module", "split_by_balance",
-           "split_by_placement", "layer_device", "default_devices"]
+__all__ = ["Device", "check_balance", "check_devices", "refuse_meta", "verify_module",
+           "split_by_balance", "split_by_placement", "layer_device", "default_devices"]
 
 Device = Union[str, int, torch.device]
 
@@ -65,6 +65,38 @@ def default_devices(count: int) -> List[torch.device]:
     return [torch.device("cpu")] * count
 
 
+def check_devices(devices: Sequence[torch.device], what: str = "devices") -> None:
+    """Refuse, before any layer moves, a device this machine cannot hold a layer on.
+
+    ``ValueError`` naming the device and the mend: ``meta`` holds no values, and a CUDA
+    device needs a CUDA build of torch and a visible GPU of that index (torch itself would
+    fail later with a bare ``AssertionError: Torch not compiled with CUDA enabled``).
+    """
+    listed = [str(d) for d in devices]
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(f"{what} {listed} include meta, where a partition holds no values; "
+                         f"give real devices")
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return
+    if not torch.backends.cuda.is_built():
+        raise ValueError(
+            f"{what} {listed} include CUDA devices, but this PyTorch build has no CUDA "
+            f"support (torch {torch.__version__}); install a CUDA build of torch, or use "
+            f"\"cpu\" for every partition (e.g. devices={['cpu'] * len(devices)})")
+    count = torch.cuda.device_count()
+    missing = sorted({str(d) for d in cuda if (d.index or 0) >= count})
+    if missing and count == 0:
+        raise ValueError(
+            f"{what} {listed} include {', '.join(missing)}, but no CUDA device is visible "
+            f"(check the driver and CUDA_VISIBLE_DEVICES), or use \"cpu\" devices")
+    if missing:
+        raise ValueError(
+            f"{what} {listed} include {', '.join(missing)}, but this machine has {count} "
+            f"visible CUDA device{'' if count == 1 else 's'}; give devices from cuda:0 to "
+            f"cuda:{count - 1}")
+
+
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> List[int]:
     """Validate layer counts per partition against ``module``."""
     return layer_counts(balance, len(module))
@@ -81,9 +113,7 @@ def split_by_balance(module: nn.Sequential, balance: Sequence[int],
         raise IndexError(
             f"{len(balance)} partitions need {len(balance)} devices, got {len(resolved)}; "
             f"pass more devices or fewer balance entries")
-    if any(d.type == "meta" for d in resolved[:len(balance)]):
-        raise ValueError(f"devices {[str(d) for d in resolved[:len(balance)]]} include meta, "
-                         f"where a partition holds no values; give real devices")
+    check_devices(resolved[:len(balance)])
     layers = list(module.children())
     partitions, start = [], 0
     for count, device in zip(balance, resolved):

@@ -138,6 +138,11 @@ class Stage:
         self.segments = segments_of(partition, checkpoint_every)  # [] : checkpointed whole
         self.between = skips_between(layout, index, checkpoint_every) if self.segments \
             else frozenset()
+        # The leaves autograd records for the parameters while the partition runs: the
+        # parameters themselves, unless a wrapper registers others while its module runs
+        # (FSDP2's unsharded parameters: seqpipe.distributed.fsdp sets this then), so that
+        # backward targets the parameters the forward used.
+        self.used_parameters: Callable[[], List[Tensor]] = self.parameters  # type: ignore
 
     def parameters(self) -> List[nn.Parameter]:
         """The parameters that receive gradients, in a fixed order."""
@@ -217,7 +222,8 @@ class Stage:
                 f"skip {sorted(name for _, name in missing)} is popped in a later partition "
                 f"but was not stashed in this call; a skippable layer must stash every "
                 f"name it declares each time it runs (stash None to send nothing)")
-        return Sent(Batch.of(out), outgoing)
+        last = self.index == self.layout.num_partitions - 1
+        return Sent(Batch.of(out, layer=type(self.partition[-1]).__name__, last=last), outgoing)
 
     def _forward_with_grad(self, received: Received, checkpoint: bool, seed: Optional[int],
                            sink: Optional[GradSink], replaying: bool = False,
@@ -286,11 +292,12 @@ class Stage:
         return self._received_grads(state)
 
     def _weights(self, sink: Optional[GradSink]) -> List[Tensor]:
-        """What the parameters' gradients accumulate into: ``sink``'s aliases, and the real
-        parameters too, since one may reach autograd without passing through a torch
-        function (a custom ``autograd.Function.apply``), where no alias stands in for it."""
+        """What the parameters' gradients accumulate into: ``sink``'s aliases, and the
+        leaves the forward used for the parameters too (``used_parameters``), since one may
+        reach autograd without passing through a torch function (a custom
+        ``autograd.Function.apply``), where no alias stands in for it."""
         leaves = list(sink.leaves(self.index)) if sink is not None else []
-        return leaves + self.parameters()
+        return leaves + self.used_parameters()
 
     def backward_input(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
                        skip_grads: Dict[SkipKey, Optional[Tensor]]) -> Grads:

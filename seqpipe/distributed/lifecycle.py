@@ -31,6 +31,7 @@ from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.agreement import call_kind, check_same_call, opened
 from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
+from seqpipe.distributed.fsdp import ShardedStep, plain_parameters
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.tie_grads import TieGrads
@@ -225,10 +226,11 @@ class CallLifecycle:
             raise
 
     def _trainable(self) -> List[nn.Parameter]:
-        """The trainable parameters of this rank's stages, each once, in model order."""
+        """The trainable parameters of this rank's stages that the data-parallel reducer
+        averages (not FSDP2's: it reduces them itself), each once, in model order."""
         seen: Dict[int, nn.Parameter] = {}
         for stage in self.stages.values():
-            for param in stage.parameters():
+            for param in plain_parameters(stage.parameters()):
                 seen.setdefault(id(param), param)
         return list(seen.values())
 
@@ -237,28 +239,35 @@ class CallLifecycle:
                     count_fn: Optional[CountFn]) -> Tensor:
         weights = LossWeights([], [])
         targets: Optional[List[Any]] = None
+        sharded = ShardedStep(self.stages)  # stages the user wrapped with fully_shard
         with call.guard("start of the step"):
             if self.reducer is not None:
                 self.reducer.follow(self._trainable())  # requires_grad as of now
             if self.tied is not None:
                 self.tied.set_aside()  # sum only what this step adds, of what is trained now
             batches, actions = self.open(call, input, chunks)
+            sharded.check(auto=self.auto is not None, scaled=call.seed is not None,
+                          tied=self.tied is not None, counted=count_fn is not None)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
                 replicas = None if self.reducer is None else self.reducer.replicas(self.device)
                 weights = loss_weights(target, len(batches), count_fn, replicas)
                 targets = weights.targets
-        ends = [n for n, a in enumerate(actions) if a.phase in _LAST]
-        for n in ends:  # each stage's last B or W: its gradients are final there
-            call.grads[actions[n].stage] = StepGrads(self.stages[actions[n].stage],
-                                                     actions[n].microbatch)
+        # each stage's last B or W: its gradients are final there
+        last = {a.stage: n for n, a in enumerate(actions) if a.phase in _LAST}
+        sharded.begin(last)
+        for s, n in last.items():
+            if s not in sharded:  # FSDP2 accumulates a sharded stage's gradients itself
+                call.grads[s] = StepGrads(self.stages[s], actions[n].microbatch)
+        final = max(last.values())
         call.split = {(a.stage, a.microbatch) for a in actions
                       if a.phase is Phase.BACKWARD_INPUT}
         for n, action in enumerate(actions):
             with call.guard(describe(action), action.stage):
-                if n == ends[-1] and self.reducer is not None:
+                if n == final and self.reducer is not None:
                     self.reducer.arm()  # gradients final from here: reduce as they land
-                call.run(action, batches, targets, loss_fn, weights.weights)
+                with sharded.around(n, action):
+                    call.run(action, batches, targets, loss_fn, weights.weights)
         with call.guard("end of the step"):
             for stage in self.stages.values():
                 stage.finish_forward()

@@ -14,7 +14,7 @@ from seqpipe.core.batchnorm import convert_deferred_batch_norm
 from seqpipe.core.checkpoint import check_mode
 from seqpipe.core.loss_weights import CountFn
 from seqpipe.core.microbatch import TensorOrTensors
-from seqpipe.core.partition import check_balance, verify_module
+from seqpipe.core.partition import check_balance, check_devices, verify_module
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.agreement import check_same_model
 from seqpipe.distributed.auto import AutoRunner
@@ -124,6 +124,7 @@ class DistributedPipe(nn.Module):
             raise ValueError("device='meta' holds no values to train; give the stage a real "
                              "device (build the model on meta instead: each rank then "
                              "materialises its own layers on its device)")
+        check_devices([self.device], what="device")
         self.base_seed = base_seed
         self.broadcast_buffers = bool(broadcast_buffers)
         self.balance = self._resolve_balance(module, balance)
@@ -187,6 +188,14 @@ class DistributedPipe(nn.Module):
                                     tied=TieGrads(self._tied) if self._tied is not None else None,
                                     partition=partition,
                                     broadcast_buffers=self.broadcast_buffers)
+
+    @property
+    def stage_modules(self) -> Tuple[nn.Sequential, ...]:
+        """This rank's stages, one ``nn.Sequential`` of their layers each, in ``stages``
+        order: what to shard with FSDP2's ``fully_shard`` after building the pipe (see
+        "Sharded stages" in docs/distributed.md). Their layers are the pipe's own, so
+        wrapping them wraps the pipe's parameters in place."""
+        return tuple(self._stages[s].partition for s in self.stages)
 
     @property
     def auto_choice(self) -> Optional[AutoChoice]:

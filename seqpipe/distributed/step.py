@@ -42,6 +42,7 @@ from seqpipe.core.tasks import LossFn, Tasks
 from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.auto import ActionTimer
+from seqpipe.distributed.fsdp import refuse_dtensors
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.distributed.values import check_values
@@ -153,6 +154,7 @@ class Call(Tasks):
     def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
         """Queue a message to rank ``dst``; a failure to send is the peer's failure."""
+        refuse_dtensors(tensors, self.name(), _WHAT[kind])  # this stage's error, not the peer's
         if dst == self.rank:  # to a stage of this rank: cut from the graph, as if sent
             kept = tuple(t.detach() if t is not None else None for t in tensors)
             check_values(options.get("values", ()))  # what could not cross to another rank

@@ -61,11 +61,13 @@ class Simulation:
         return [peak / len(self.placement.stages_of(r))
                 for r, peak in enumerate(self.peak_live_microbatches)]
 
-    def chart(self, unit: float = 1.0) -> str:
+    def chart(self, unit: float = 1.0, label: str = "rank") -> str:
         """A text Gantt chart, one row per rank and one column per ``unit`` of time.
 
         A cell shows the action running at the middle of its column (``F3``, or ``2F3``
         for micro-batch 3 on stage 2 when actions name their stage); ``.`` is idle.
+        ``label`` names what a rank is where the chart is shown (``"thread"`` for a local
+        ``Pipe``, whose ranks are its worker threads).
         """
         if unit <= 0:
             raise ValueError(f"unit must be > 0, got {unit}")
@@ -80,7 +82,7 @@ class Simulation:
                 idx = bisect_right(starts, t) - 1
                 hit = idx >= 0 and row[idx][0] <= t < row[idx][1]
                 cells.append(str(row[idx][2]) if hit else ".")
-            rows.append(f"rank {r}: " + " ".join(cell.ljust(width) for cell in cells).rstrip())
+            rows.append(f"{label} {r}: " + " ".join(cell.ljust(width) for cell in cells).rstrip())
         return "\n".join(rows)
 
 

@@ -170,33 +170,49 @@ def _section(out: List[str], name: str, title: str, recording: Optional[Recordin
 
 def _row(rank: int, stage: int, label: str, events: Sequence[Event], scale: _Scale,
          y: float) -> str:
-    """A row: its label and band, then waits, actions, and sends on top."""
+    """A row: its label and band; waits, actions, recomputations and sends, each layer on
+    top of the one before; then the actions' names on top of every box."""
     parts = [f'<g class="row" data-rank="{rank}" data-stage="{stage}">',
              _text(_LEFT - 8, y + _ROW / 2 + 4, label, anchor="end"),
              f'<rect x="{_LEFT}" y="{y:.1f}" width="{_WIDTH}" height="{_ROW}" '
              'fill="#fafafa" stroke="#e0e0e0"/>']
-    order = sorted(events, key=lambda e: (e.kind is not EventKind.WAIT,
-                                          e.kind in (EventKind.SEND, EventKind.REDUCE)))
+    order = sorted(events, key=lambda e: _LAYER.get(e.kind, 1))
     parts += [_box(e, scale, y) for e in order]
+    parts += [_label(e, scale, y) for e in order if _LAYER.get(e.kind, 1) == 1]
     parts.append("</g>")
-    return "\n".join(parts)
+    return "\n".join(p for p in parts if p)
+
+
+_LAYER = {EventKind.WAIT: 0, EventKind.RECOMPUTE: 2, EventKind.SEND: 3, EventKind.REDUCE: 3}
+"""Drawing order in a row (default 1: the actions). A recomputation lies inside the
+backward it serves: it is a band across the top of that box, below the box's name."""
 
 
 def _box(event: Event, scale: _Scale, y: float) -> str:
-    """One event's rectangle with a tooltip, and its name when the box is wide enough."""
-    small = event.kind in (EventKind.SEND, EventKind.REDUCE)
-    top, height = (y + _ROW * 0.6, _ROW * 0.4) if small else (y + 1, _ROW - 2)
+    """One event's rectangle, with a tooltip: a band at the row's foot for a send or a
+    reduction, at its top for a recomputation, else the row's height."""
+    if event.kind in (EventKind.SEND, EventKind.REDUCE):
+        top, height = y + _ROW * 0.6, _ROW * 0.4
+    elif event.kind is EventKind.RECOMPUTE:
+        top, height = y + 1, _ROW * 0.3
+    else:
+        top, height = y + 1, _ROW - 2
     x, w = scale.x(event.start), max(scale.width(event.duration), 0.5)
     tip = f"{event.name} (stage {event.stage}, step {event.step}): " \
           f"{format_time(event.duration)}"
-    box = (f'<rect class="{CATEGORIES[event.kind].replace(" ", "-")}" x="{x:.2f}" '
-           f'y="{top:.1f}" width="{w:.2f}" height="{height:.1f}" '
-           f'fill="{COLOURS[event.kind]}"><title>{escape(tip)}</title></rect>')
-    if small or w < _CHAR * len(event.name) + 4 or event.kind is EventKind.WAIT:
-        return box
+    return (f'<rect class="{CATEGORIES[event.kind].replace(" ", "-")}" x="{x:.2f}" '
+            f'y="{top:.1f}" width="{w:.2f}" height="{height:.1f}" '
+            f'fill="{COLOURS[event.kind]}"><title>{escape(tip)}</title></rect>')
+
+
+def _label(event: Event, scale: _Scale, y: float) -> str:
+    """An action's name, centred on its box when the box is wide enough, else nothing."""
+    x, w = scale.x(event.start), scale.width(event.duration)
+    if w < _CHAR * len(event.name) + 4:
+        return ""
     colour = "#222" if event.kind in _DARK_TEXT else "white"
-    return box + _text(x + w / 2, y + _ROW / 2 + 4, event.name, anchor="middle",
-                       fill=colour, size=10)
+    return _text(x + w / 2, y + _ROW / 2 + 5, event.name, anchor="middle", fill=colour,
+                 size=10)
 
 
 def _grid(scale: _Scale, top: float, bottom: float) -> str:
@@ -215,7 +231,10 @@ def _axis(out: List[str], scale: _Scale, y: float) -> float:
         out.append(f'<line x1="{x:.2f}" y1="{y:.1f}" x2="{x:.2f}" y2="{y + 5:.1f}" '
                    'stroke="#444"/>')
         out.append(_text(x, y + 17, format_time(t - scale.t0), anchor="middle", size=10))
-    out.append(_text(_LEFT - 8, y + 17, "time", anchor="end", size=10))
+    # Right-aligned left of the first tick's label, which is centred on the axis's start.
+    first = format_time(0.0)
+    out.append(_text(_LEFT - _label_width(first, 10) / 2 - 8, y + 17, "time", anchor="end",
+                     size=10))
     out.append("</g>")
     return y + 30
 
@@ -242,6 +261,11 @@ def _legend(out: List[str], kinds: Sequence[EventKind], y: float) -> float:
         x += 19 + _CHAR * len(word) + 16
     out.append("</g>")
     return y + 24
+
+
+def _label_width(text: str, size: int) -> float:
+    """About how wide ``text`` is drawn at font ``size`` (a sans-serif average)."""
+    return _CHAR * size / 11 * len(text)
 
 
 def _text(x: float, y: float, text: str, *, anchor: str = "start", fill: str = "#222",

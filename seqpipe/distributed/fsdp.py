@@ -1,0 +1,199 @@
+"""Stages sharded with FSDP2 (``fully_shard``): the per-step protocol a pipeline owes them.
+
+FSDP2 is written for one forward and one backward per step: its hooks all-gather a module's
+parameters before it runs, register the unsharded copies on the module while it runs (so
+autograd records those leaves, not the registered sharded ``DTensor`` parameters), and
+reduce-scatter the unsharded gradients after each backward. A pipeline stage runs many
+micro-batches' forwards and backwards, interleaved, in a schedule, so, as
+``torch.distributed.pipelining`` does (its ``stage.py`` and ``perform_reduce_grad``), the
+runtime drives FSDP2 itself over a ``train_step``:
+
+* at the start of the step: no gradient sync, no reshard after backward, no backward is the
+  last, on every FSDP module of the stage, so the micro-batches' gradients accumulate,
+  unreduced, in the unsharded parameters' ``.grad``;
+* every backward (``B``, and a split backward's ``I`` and ``W``) targets the parameters the
+  forward used: FSDP2's unsharded leaves (``used_parameters``, which ``Stage`` asks for);
+  before a ``W``, the stage's modules are unsharded (a no-op when they are: a forward with
+  ``reshard_after_forward=True`` between ``I`` and ``W`` may have freed them, and ``W``
+  re-runs autograd nodes that read them);
+* after the stage's last ``B`` or ``W`` of the step: sync, reshard and "last backward" on,
+  then each parameter group's post-backward (one reduce-scatter per group, per step) and
+  each root's final callback, which waits for them and resets FSDP for the next step.
+
+So gradients are reduced once per step, averaged over the FSDP mesh, whatever the schedule
+and whichever ``reshard_after_forward`` the user chose; no ``GradSink`` aliases the stage's
+parameters (their hooks would never see the unsharded leaves). What is not supported yet is
+refused by ``check_supported`` with the limitation named: tensor parallelism and HSDP (a
+parameter ``DTensor`` on a mesh of more than one dimension, or not managed by FSDP), weights
+tied across ranks, ``schedule="auto"``, ``PipeGradScaler`` and ``count_fn``.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Set
+
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from seqpipe.core.stage import Stage
+from seqpipe.schedule import Action, Phase
+
+__all__ = ["ShardedStage", "ShardedStep", "plain_parameters", "refuse_dtensors"]
+
+
+def plain_parameters(params: Sequence[nn.Parameter]) -> List[nn.Parameter]:
+    """``params`` but the ``DTensor`` ones (FSDP2's sharded parameters): what seqpipe's own
+    data-parallel reducer may average (FSDP2 reduces the others itself)."""
+    return [p for p in params if not isinstance(p, DTensor)]
+
+
+def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
+    """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
+    ``what``, is a ``DTensor``: the wire carries plain tensors only, so far."""
+    for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            raise TypeError(
+                f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
+                f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
+                f"DTensors between stages yet (issue 25): make the stage's output a plain "
+                f"tensor (dtensor.full_tensor(), or .to_local() for the local shard)")
+
+
+def check_parameters(stage: Stage, managed: Set[int]) -> None:
+    """Refuse, naming the limitation, a parameter ``DTensor`` of ``stage`` that this runtime
+    would train wrong: one FSDP2 does not manage (``managed``: the ids of those it does),
+    or one on a mesh of more than one dimension."""
+    for name, param in stage.partition.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        if id(param) not in managed:
+            raise NotImplementedError(
+                f"stage {stage.index}: parameter {name!r} is a DTensor that FSDP2 does not "
+                f"manage (tensor parallelism: parallelize_module); DistributedPipe does not "
+                f"train tensor-parallel stages yet (issue 25): shard the stage with "
+                f"fully_shard on a 1-D mesh only")
+        if param.device_mesh.ndim > 1:
+            raise NotImplementedError(
+                f"stage {stage.index}: parameter {name!r} is sharded on a "
+                f"{param.device_mesh.ndim}-D mesh {param.device_mesh.mesh_dim_names} (HSDP, "
+                f"or FSDP over tensor parallelism); DistributedPipe supports fully_shard on a "
+                f"1-D mesh only yet (issue 25)")
+
+
+class ShardedStage:
+    """One stage whose partition holds FSDP2 modules, and the protocol run on them."""
+
+    def __init__(self, stage: Stage, modules: List[FSDPModule]) -> None:
+        self.stage = stage
+        self.modules = modules
+        states: Dict[int, object] = {}
+        for module in modules:
+            state = module._get_fsdp_state()
+            states.setdefault(id(state), state)
+        self.states = list(states.values())
+        stage.used_parameters = self.used_parameters
+
+    def _groups(self) -> Iterator[object]:
+        for state in self.states:
+            yield from state._fsdp_param_groups  # type: ignore[attr-defined]
+
+    def used_parameters(self) -> List[Tensor]:
+        """The leaves autograd recorded for the stage's parameters: FSDP2's unsharded
+        parameters (once a forward has created them), and the trainable parameters FSDP2
+        does not manage."""
+        seen: Dict[int, Tensor] = {}
+        for group in self._groups():
+            for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
+                leaf = getattr(fsdp_param, "_unsharded_param", None)
+                if leaf is not None and leaf.requires_grad:
+                    seen.setdefault(id(leaf), leaf)
+        for param in plain_parameters(self.stage.parameters()):
+            seen.setdefault(id(param), param)
+        return list(seen.values())
+
+    def managed(self) -> Set[int]:
+        """The ids of the parameters FSDP2 manages (its sharded ones)."""
+        return {id(fp.sharded_param) for group in self._groups()
+                for fp in group.fsdp_params}  # type: ignore[attr-defined]
+
+    def begin(self) -> None:
+        """Start of a step: accumulate unreduced unsharded gradients over its backwards."""
+        for module in self.modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+            module.set_is_last_backward(False)
+
+    def unshard(self) -> None:
+        """Before a ``W``: the unsharded parameters hold their values (no-op if they do)."""
+        for module in self.modules:
+            module.unshard()
+
+    def reduce(self) -> None:
+        """After the stage's last backward of the step: one reduce-scatter per parameter
+        group, into the sharded parameters' ``.grad``; then reshard and reset FSDP."""
+        for module in self.modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+            module.set_reshard_after_backward(True, recurse=False)
+            module.set_is_last_backward(True)
+        for group in self._groups():
+            group.post_backward()  # type: ignore[attr-defined]
+        for state in self.states:
+            if state._is_root:  # type: ignore[attr-defined]
+                state._root_post_backward_final_callback()  # type: ignore[attr-defined]
+
+
+class ShardedStep:
+    """The FSDP2 protocol over one ``train_step`` of a rank's stages (none may be sharded)."""
+
+    def __init__(self, stages: Mapping[int, Stage]) -> None:
+        self.all = stages
+        self.stages: Dict[int, ShardedStage] = {}
+        self.last: Dict[Optional[int], int] = {}  # stage -> index of its last B or W
+        for s, stage in stages.items():
+            modules = [m for m in stage.partition.modules() if isinstance(m, FSDPModule)]
+            if modules:
+                self.stages[s] = ShardedStage(stage, modules)
+            elif stage.used_parameters != stage.parameters:  # no longer sharded
+                stage.used_parameters = stage.parameters
+
+    def __contains__(self, stage: int) -> bool:
+        return stage in self.stages
+
+    def check(self, *, auto: bool, scaled: bool, tied: bool, counted: bool) -> None:
+        """Refuse what is not supported with sharded stages yet, naming it."""
+        for s, stage in self.all.items():
+            sharded = self.stages.get(s)
+            check_parameters(stage, sharded.managed() if sharded is not None else set())
+        if not self.stages:
+            return
+        stages = sorted(self.stages)
+        for unsupported, what in ((auto, "schedule='auto'"), (scaled, "PipeGradScaler"),
+                                  (tied, "weights tied across ranks"),
+                                  (counted, "count_fn (its count is not summed over the "
+                                            "FSDP mesh)")):
+            if unsupported:
+                raise NotImplementedError(
+                    f"stages {stages} are sharded with FSDP2 (fully_shard), which "
+                    f"DistributedPipe does not combine with {what} yet (issue 25)")
+
+    def begin(self, last: Mapping[Optional[int], int]) -> None:
+        """Start of a step; ``last`` maps each stage to the index of its last backward
+        (``B`` or ``W``) among the step's actions."""
+        self.last = dict(last)
+        for sharded in self.stages.values():
+            sharded.begin()
+
+    @contextmanager
+    def around(self, n: int, action: Action) -> Iterator[None]:
+        """Around ``action``, the ``n``-th of the step: unshard before a ``W``; reduce
+        after the stage's last backward of the step."""
+        sharded: Optional[ShardedStage] = self.stages.get(action.stage)  # type: ignore[arg-type]
+        if sharded is None:
+            yield
+            return
+        if action.phase is Phase.BACKWARD_WEIGHT:
+            sharded.unshard()
+        yield
+        if self.last.get(action.stage) == n:
+            sharded.reduce()
