@@ -1,6 +1,7 @@
-"""``import seqpipe`` costs little beyond ``import torch``: ``torch._dynamo`` (about 1.5 s,
-with sympy) is imported only when something first needs it, such as the first
-checkpointed micro-batch or ``torch.compile`` (issue 26)."""
+"""``import seqpipe`` costs little beyond ``import torch`` (issue 26): ``torch._dynamo``
+(about 1.5 s, with sympy) is imported only when something first needs it, such as the first
+checkpointed micro-batch or ``torch.compile``, and ``torch.distributed.tensor`` and
+``torch.distributed.fsdp`` (sympy again) only by a user who shards stages with FSDP2."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch._dynamo", "sympy")
+HEAVY = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "sympy")
 
 
 def _loaded_after(code: str) -> dict:
