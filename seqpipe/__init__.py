@@ -4,6 +4,8 @@
 (imported lazily, it pulls in ``torch.distributed``) runs one stage per process.
 The face lives here (``pipe``, ``demo``, ``launch``); the engines in ``seqpipe.local``
 and ``seqpipe.distributed``; what both share in ``seqpipe.core`` (docs/index.md).
+``to_sequential`` (lazily too: it pulls in ``torch.export``) turns any model into the
+``nn.Sequential`` both take.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from seqpipe.pipe import Pipe  # noqa: E402
 unbind_default_group()
 
 __all__ = ["Pipe", "DistributedPipe", "NoChunk", "ReentrantCheckpointError", "is_checkpointing",
-           "is_recomputing"]
+           "is_recomputing", "to_sequential"]
 __version__ = "0.1.0"
 
 
@@ -33,6 +35,10 @@ def __getattr__(name: str) -> Any:
         from seqpipe.distributed import DistributedPipe
 
         return DistributedPipe
+    if name == "to_sequential":
+        from seqpipe.graph.convert import to_sequential
+
+        return to_sequential
     if f"seqpipe.{name}" in _moved.MOVED:  # seqpipe.batchnorm etc., by their old paths
         return importlib.import_module(f"seqpipe.{name}")
     raise AttributeError(f"module 'seqpipe' has no attribute {name!r}")

@@ -11,9 +11,10 @@ import argparse
 import copy
 import pathlib
 import time
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
@@ -21,7 +22,8 @@ from seqpipe.pipe import Pipe
 from seqpipe.schedule import SCHEDULES, get_schedule, placement_of, simulate
 from seqpipe.trace import Recorder, record
 
-__all__ = ["build_model", "make_data", "main", "parse_args", "run_distributed", "sample_batch"]
+__all__ = ["build_model", "local_devices", "local_pipe", "make_data", "main", "parse_args",
+           "run_distributed", "run_gpt2", "sample_batch", "train_locally"]
 
 
 def build_model(num_classes: int = 10, width: int = 16) -> nn.Sequential:
@@ -114,6 +116,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line of ``python -m seqpipe`` (``--help`` lists every option)."""
     parser = argparse.ArgumentParser(prog="python -m seqpipe", description=__doc__,
                                      formatter_class=_HelpFormatter)
+    parser.add_argument("--model", default="cnn", choices=["cnn", "gpt2-tiny"],
+                        help="the demo model: a CNN written as an nn.Sequential, or a small "
+                             "GPT written freely and converted by seqpipe.to_sequential "
+                             "(local Pipe only)")
     parser.add_argument("--steps", type=_positive, default=30, help="training steps")
     parser.add_argument("--batch", type=_positive, default=32, help="mini-batch size")
     parser.add_argument("--chunks", type=_positive, default=4,
@@ -145,6 +151,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "and print its summary (without it: a one-line summary)")
     args = parser.parse_args(argv)
     layers = len(build_model())
+    if args.model != "cnn" and args.processes is not None:
+        parser.error(f"--model {args.model} runs in the local Pipe; leave out --processes")
     if args.processes is not None and args.partitions is not None:
         parser.error("--partitions is for the local Pipe; with --processes every process "
                      "is one stage: give one of them")
@@ -173,7 +181,8 @@ def _describe_stages(model: nn.Sequential, balance: Sequence[int],
                      devices: Sequence[object], noun: str) -> None:
     layers, start = list(model), 0
     for i, (count, device) in enumerate(zip(balance, devices)):
-        names = ", ".join(type(layer).__name__ for layer in layers[start:start + count])
+        names = ", ".join(getattr(layer, "unit", type(layer).__name__)  # a converted unit
+                          for layer in layers[start:start + count])
         print(f"  {noun} {i} on {device}: {names}")
         start += count
 
@@ -253,38 +262,85 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
         args.baseline = unpipelined_rate(build_model(), device, args)  # with every core
         spawn_local(args.processes, run_distributed, args)
         return float("nan")
+    if args.model == "gpt2-tiny":
+        return run_gpt2(args)
     torch.manual_seed(args.seed)
-    partitions, devices = default_split()
-    if args.partitions is not None:
-        partitions = args.partitions
-        devices = (devices * partitions)[:partitions] if devices[0] == "cpu" else devices
+    partitions, devices = local_devices(args)
     model = build_model()
-    placement = placement_of(get_schedule(args.schedule), partitions)
-    balance = choose_balance(args.balance_by, placement.num_stages, model,
-                             sample_batch(args.batch, args.seed), args.chunks)
     baseline = unpipelined_rate(model, torch.device(devices[0]), args)
-    pipe = Pipe(model, chunks=args.chunks, checkpoint=args.checkpoint,
-                deferred_batch_norm=True, balance=balance,
-                devices=[devices[placement.rank_of(s)] for s in range(placement.num_stages)])
+    pipe = local_pipe(model, sample_batch(args.batch, args.seed), partitions, devices, args,
+                      deferred_batch_norm=True)
     print(f"seqpipe demo: {len(model)} layers split as balance={pipe.balance} "
           f"(by {args.balance_by}) over {[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(model, pipe.balance, pipe.devices, "partition")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
+    return train_locally(pipe, optimizer, nn.CrossEntropyLoss(),
+                         make_data(args.steps, args.batch, seed=args.seed), args,
+                         threads=partitions, baseline=baseline)
 
-    def step(images: Tensor, labels: Tensor) -> float:
+
+def local_pipe(model: nn.Sequential, sample: Tensor, partitions: int, devices: List[str],
+               args: argparse.Namespace, **options: Any) -> Pipe:
+    """``model`` in a ``Pipe`` over ``partitions`` threads on ``devices``, as many stages as
+    ``args.schedule`` places on them, balanced the way ``args.balance_by`` says."""
+    placement = placement_of(get_schedule(args.schedule), partitions)
+    balance = choose_balance(args.balance_by, placement.num_stages, model, sample, args.chunks)
+    return Pipe(model, chunks=args.chunks, checkpoint=args.checkpoint, balance=balance,
+                devices=[devices[placement.rank_of(s)] for s in range(placement.num_stages)],
+                **options)
+
+
+def local_devices(args: argparse.Namespace) -> Tuple[int, List[str]]:
+    """The number of local partitions and their devices, from ``--partitions`` or the
+    default split."""
+    partitions, devices = default_split()
+    if args.partitions is not None:
+        partitions = args.partitions
+        devices = (devices * partitions)[:partitions] if devices[0] == "cpu" else devices
+    return partitions, devices[:partitions]
+
+
+def train_locally(pipe: Pipe, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Tensor],
+                  data: Iterator[Tuple[Tensor, Tensor]], args: argparse.Namespace, *,
+                  threads: int, baseline: float = float("nan")) -> float:
+    """``args.steps`` steps of ``pipe.train_step`` under ``args.schedule`` (on ``threads``
+    threads); print the loss beside the unpipelined ``baseline`` rate, the clock and the
+    last step's trace; return the last loss."""
+
+    def step(inputs: Tensor, targets: Tensor) -> float:
         optimizer.zero_grad()
-        loss = pipe.train_step(images, labels.to(pipe.devices[-1]), loss_fn,
+        loss = pipe.train_step(inputs, targets.to(pipe.devices[-1]), loss_fn,
                                schedule=args.schedule)
         optimizer.step()
         return loss.item()
 
-    loss_value, recorder = _train(step, make_data(args.steps, args.batch, seed=args.seed),
-                                  args.steps, talk=True, baseline=baseline)
-    _print_schedule(args.schedule, partitions, min(args.chunks, args.batch), "thread")
+    loss_value, recorder = _train(step, data, args.steps, talk=True, baseline=baseline)
+    _print_schedule(args.schedule, threads, min(args.chunks, args.batch), "thread")
     _show_trace(recorder, args.trace)
     return loss_value
+
+
+def run_gpt2(args: argparse.Namespace) -> float:
+    """``--model gpt2-tiny``: ``TinyGPT`` converted by ``to_sequential``, in a ``Pipe``."""
+    from seqpipe.demo_gpt2 import TinyGPT, make_tokens
+    from seqpipe.graph import to_sequential
+
+    torch.manual_seed(args.seed)
+    partitions, devices = local_devices(args)
+    model = TinyGPT()
+    sample = next(make_tokens(1, max(2, args.batch), args.seed))[0]
+    seq = to_sequential(model, (sample,))
+    pipe = local_pipe(seq, sample, partitions, devices, args)
+    print(f"seqpipe demo: TinyGPT converted by to_sequential into {len(seq)} layers, "
+          f"balance={pipe.balance} (by {args.balance_by}) over "
+          f"{[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
+          f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
+    _describe_stages(seq, pipe.balance, pipe.devices, "partition")
+    return train_locally(pipe, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+                         make_tokens(args.steps, args.batch, args.seed), args,
+                         threads=partitions)
 
 
 def run_distributed(args: argparse.Namespace) -> float:

@@ -21,6 +21,7 @@ from seqpipe.core.partition import (
 )
 from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import LossFn
+from seqpipe.graph.origin import Origin, model_output
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -148,6 +149,7 @@ class Pipe(nn.Module):
                   for i, (part, dev) in enumerate(zip(partitions, placed))]
         self._pipeline = LocalPipeline(stages, layout)
         self._pending: Optional[TrainStep] = None  # a train_step run by DDP's forward
+        self.origin: Optional[Origin] = getattr(module, "origin", None)  # see seqpipe.graph
 
     # -- the Sequential face -----------------------------------------------------------
     def __len__(self) -> int:
@@ -184,10 +186,11 @@ class Pipe(nn.Module):
 
     # -- running -----------------------------------------------------------------------
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
-        """Run the mini-batch through the pipeline; the output is on the last device."""
+        """Run the mini-batch through the pipeline; the output is on the last device (in the
+        model's own structure for a model converted by ``seqpipe.to_sequential``)."""
         if torch.compiler.is_compiling():
             warnings.warn(_COMPILE_WARNING, stacklevel=2)
-        return self._run(input)
+        return model_output(self.origin, self._run(input))
 
     def train_step(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *,
                    count_fn: Optional[CountFn] = None,

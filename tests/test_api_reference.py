@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-PUBLIC = ["seqpipe", "seqpipe.distributed", "seqpipe.distributed.checkpoint", "seqpipe.skip",
-          "seqpipe.balance", "seqpipe.schedule", "seqpipe.seeding", "seqpipe.batchnorm",
-          "seqpipe.launch", "seqpipe.compat.torchgpipe", "seqpipe.compat.torch_pipe",
-          "seqpipe.trace"]
+PUBLIC = ["seqpipe", "seqpipe.graph", "seqpipe.distributed", "seqpipe.distributed.checkpoint",
+          "seqpipe.skip", "seqpipe.balance", "seqpipe.schedule", "seqpipe.seeding",
+          "seqpipe.batchnorm", "seqpipe.launch", "seqpipe.compat.torchgpipe",
+          "seqpipe.compat.torch_pipe", "seqpipe.trace"]
 PAGE = (pathlib.Path(__file__).parent.parent / "docs" / "api.md").read_text(encoding="utf-8")
 
 

@@ -99,3 +99,19 @@ def test_distributed_run_lists_its_stages_and_shows_the_clock(
     assert "done: 16 samples" in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("trace: 1 step, "), last
+
+
+def test_gpt2_tiny_is_converted_and_learns(capsys: pytest.CaptureFixture) -> None:
+    loss = main(["--model", "gpt2-tiny", "--steps", "12", "--batch", "16",
+                 "--balance-by", "params"])
+    out = capsys.readouterr().out
+    assert "TinyGPT converted by to_sequential into 8 layers" in out
+    assert "partition 0 on cpu: tok, pos, blocks.0" in out  # units by their names
+    first = float(out.split("step   1/12  loss ")[1].split()[0])
+    assert loss < first - 1.0, (first, loss)  # ln(32) = 3.47 at first: it learns
+
+
+def test_gpt2_tiny_is_for_the_local_pipe(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "gpt2-tiny", "--processes", "2"])
+    assert "--model gpt2-tiny runs in the local Pipe" in capsys.readouterr().err

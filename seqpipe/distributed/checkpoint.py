@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from itertools import chain
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -117,8 +118,17 @@ def _state_dicts(module: nn.Module, optimizer: Optional[torch.optim.Optimizer],
 
 
 def _aliases(module: nn.Module) -> Dict[str, str]:
-    """Second names of shared tensors (tied weights), mapped to the first ones."""
-    return canonical_names(module, module.ties if isinstance(module, DistributedPipe) else ())
+    """Second names of shared tensors (tied weights), mapped to the first ones; for a model
+    converted by ``seqpipe.to_sequential`` (``module.origin``), every key mapped to the
+    user's model's own key (``"3.transformer.h.0.ln_1.weight"`` ->
+    ``"transformer.h.0.ln_1.weight"``), a tie to its first name there."""
+    aliases = canonical_names(module, module.ties if isinstance(module, DistributedPipe) else ())
+    origin = getattr(module, "origin", None)
+    if origin is None:
+        return aliases
+    names = (name for name, _ in chain(module.named_parameters(remove_duplicate=False),
+                                       module.named_buffers(remove_duplicate=False)))
+    return {name: origin.model_key(aliases.get(name, name)) for name in names}
 
 
 def _optim_key(key: str, aliases: Dict[str, str]) -> str:
@@ -231,7 +241,7 @@ def _check_no_unexpected(module: nn.Module, model_state: Dict[str, Any],
     count = len(model_state) + len(set(saved) & set(aliases))
     distributed = isinstance(module, DistributedPipe) and not no_dist
     if isinstance(module, DistributedPipe) and not no_dist:
-        count -= sum(t.name in model_state for t in module.ties
+        count -= sum(aliases.get(t.name, t.name) in model_state for t in module.ties
                      if t.stages[0] != module.rank)  # counted by its first rank
         total = torch.tensor([count], dtype=torch.int64, device=module.device)
         dist.all_reduce(total, group=module.group)
@@ -342,6 +352,9 @@ def gather_full_state_dict(pipe: DistributedPipe, dst: int = 0) -> Optional[Dict
     if pipe.num_stages != k and all(name.split(".")[0].isdigit() for name in full):
         # a rank holds stages from several places in the model: back to the model's order
         full = dict(sorted(full.items(), key=lambda kv: int(kv[0].split(".")[0])))
+    if pipe.origin is not None:  # a converted model: the user's model's own keys
+        full = {pipe.origin.original_key(k): v for k, v in reversed(full.items())}
+        full = dict(reversed(full.items()))  # a weight in two layers: kept under its first
     return full
 
 

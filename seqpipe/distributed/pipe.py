@@ -28,6 +28,7 @@ from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Transport
+from seqpipe.graph.origin import Origin, model_output
 from seqpipe.schedule import (
     AnySchedule,
     Auto,
@@ -146,6 +147,7 @@ class DistributedPipe(nn.Module):
                 drop_layer(layer, keep=partition)  # not ours: free it (but not what we share)
         self.layer_names: Tuple[str, ...] = tuple(name for n, (name, _) in enumerate(named)
                                                   if n in held)
+        self.origin: Optional[Origin] = getattr(module, "origin", None)  # see seqpipe.graph
         tied_on_meta = self._tied_on_meta()
         with ties_kept(partition):
             materialize([(n, name, layer) for n, (name, layer) in enumerate(named)
@@ -286,9 +288,10 @@ class DistributedPipe(nn.Module):
 
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:
-        """Inference: the output on the rank of the last stage (``is_last``), ``None`` on
-        the others."""
-        return self._calls.forward(input, self.chunks)
+        """Inference: the output on the rank of the last stage (``is_last``; in the model's
+        own structure for a model converted by ``seqpipe.to_sequential``), ``None`` on the
+        others."""
+        return model_output(self.origin, self._calls.forward(input, self.chunks))
 
     def extra_repr(self) -> str:
         stages = ", ".join(map(str, self.stages))

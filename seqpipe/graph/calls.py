@@ -1,0 +1,110 @@
+"""Which units a model's forward calls, how often and in what order: one eager dry run.
+
+Before tracing, ``to_sequential`` runs the model once on the example under
+``torch.no_grad()``, with global module hooks counting the units' calls. The run leaves
+no trace: buffers (BatchNorm statistics) and the RNG state are restored afterwards. The
+counts decide what becomes a layer: a unit runs exactly once per forward; a module
+without state called several times (one ``nn.ReLU`` reused) is traced as glue instead,
+and one with parameters called twice is refused, since its parameters cannot sit at two
+places of a pipeline.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+
+from seqpipe.graph.errors import MEND, ConversionError
+
+__all__ = ["call_order", "module_stack", "is_stateful"]
+
+
+def is_stateful(module: nn.Module) -> bool:
+    """Whether tracing ``module`` into glue would change what it does: it holds parameters
+    or buffers, or it behaves differently in train and eval mode (dropout)."""
+    if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
+        return True
+    return any(isinstance(m, (_DropoutNd, nn.modules.batchnorm._BatchNorm))
+               for m in module.modules())
+
+
+@contextlib.contextmanager
+def module_stack(model: nn.Module) -> Iterator[List[str]]:
+    """A list kept equal to the qualified names of the modules of ``model`` whose forward
+    is running (outermost first) while the block runs: a failure names the innermost."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    stack: List[str] = []
+
+    def pre(module: nn.Module, args: Any) -> None:
+        name = names.get(id(module))
+        if name is not None:
+            stack.append(name)
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        if names.get(id(module)) is not None and stack:
+            stack.pop()
+
+    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+    try:
+        yield stack
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def call_order(model: nn.Module, units: Dict[str, nn.Module], args: Tuple[Any, ...],
+               kwargs: Dict[str, Any], explicit: bool) -> List[str]:
+    """The units the forward calls, in the order of their (only) call.
+
+    Default units (``explicit`` False) that are never called are left out, and stateless
+    ones called several times become glue; otherwise a unit called twice is a
+    ``ConversionError`` naming it, and so is an explicit unit never called.
+    """
+    counts: Dict[str, int] = {name: 0 for name in units}
+    order: List[str] = []
+    ids = {id(m): n for n, m in units.items()}
+
+    def pre(module: nn.Module, _: Any) -> None:
+        name = ids.get(id(module))
+        if name is not None:
+            counts[name] += 1
+            order.append(name)
+
+    saved = {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()
+             if not isinstance(v, nn.Parameter) and isinstance(v, torch.Tensor)}
+    handle = register_module_forward_pre_hook(pre)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*args, **kwargs)
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for key, value in model.state_dict(keep_vars=True).items():
+                if key in saved:
+                    value.copy_(saved[key])
+    kept: List[str] = []
+    for name in dict.fromkeys(order):
+        if counts[name] == 1:
+            kept.append(name)
+        elif explicit or is_stateful(units[name]):
+            raise ConversionError(
+                f"unit {name!r} ({type(units[name]).__name__}) is called {counts[name]} times "
+                f"in one forward; a unit runs once, since its parameters and state sit at one "
+                f"place of the pipeline. Make the module that calls it twice the unit "
+                f"(units=[...] naming the parent), or give each call its own module object; "
+                f"or write the nn.Sequential by hand")
+    if explicit:
+        missing = [n for n in units if counts[n] == 0]
+        if missing:
+            raise ConversionError(f"units {missing} are never called by the model's forward "
+                                  f"on the example input; leave them out of units=")
+    if not kept:
+        raise ConversionError("the model's forward calls none of its units; " + MEND)
+    return kept

@@ -1,0 +1,146 @@
+"""``to_sequential``: any model, as written, into the ``nn.Sequential`` seqpipe runs.
+
+The steps, each in its own module: choose the units (``units``), run the model once to
+learn which units it calls and in what order (``calls``), trace it with the units kept
+as calls of the user's objects (``trace``), refuse glue that would silently change
+behaviour, cut the graph at the units and route the values between them (``cut``), and
+build one layer per unit (``unit``). See ``docs/models.md``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from seqpipe.distributed.ties import canonical_names
+from seqpipe.graph.calls import call_order, is_stateful
+from seqpipe.graph.cut import plan_layers
+from seqpipe.graph.errors import ConversionError
+from seqpipe.graph.origin import Origin
+from seqpipe.graph.trace import trace
+from seqpipe.graph.unit import build_unit
+from seqpipe.graph.units import check_units
+from seqpipe.skip import Namespace
+
+__all__ = ["ConvertedSequential", "to_sequential"]
+
+
+class ConvertedSequential(nn.Sequential):
+    """The ``nn.Sequential`` of units ``to_sequential`` returns.
+
+    Everything that takes an ``nn.Sequential`` takes it: ``Pipe``, ``DistributedPipe``,
+    the balance helpers, ``checkpoint_every``. Its layers take and return the flat values
+    of the trace; called itself, it takes the model's own arguments and returns the
+    model's own output structure. ``origin`` converts between the two.
+    """
+
+    origin: Origin
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The model's forward: ``seq(input_ids, attention_mask=mask)`` as ``model(...)``."""
+        value: Any = self.origin.pipeline_input(*args, **kwargs)
+        value = value[0] if len(value) == 1 else value
+        for layer in self:
+            value = layer(value)
+        return self.origin.rebuild(value)
+
+
+def to_sequential(model: nn.Module, example_args: Any = (),
+                  example_kwargs: Optional[Mapping[str, Any]] = None, *,
+                  units: Optional[Sequence[str]] = None,
+                  dynamic_shapes: Optional[Any] = None) -> ConvertedSequential:
+    """Convert ``model`` into an ``nn.Sequential`` with one layer per unit.
+
+    Args:
+        model: any ``nn.Module``; it is not copied: the layers hold its very module,
+            parameter and buffer objects, so its own ``state_dict()``, optimizer and hooks
+            keep working, and ``model.train()``/``eval()`` reach the layers too.
+        example_args: the positional arguments of one call of ``model`` (a tensor or a
+            tuple), with a batch of at least 2 on dim 0 of every tensor.
+        example_kwargs: its keyword arguments. Non-tensor values (``use_cache=False``)
+            are fixed by the trace.
+        units: fully qualified names of the modules that become layers, in any order;
+            default: the top-level children, descending into ``ModuleList`` /
+            ``Sequential`` / ``ModuleDict`` trunks (see ``seqpipe.graph.units``).
+        dynamic_shapes: ``torch.export``'s argument for dimensions besides the batch
+            (e.g. a sequence length); default: dim 0 of every tensor input is dynamic.
+
+    Returns:
+        A ``ConvertedSequential``. Feed a pipeline ``seq.origin.pipeline_input(*args,
+        **kwargs)``; read its output with ``seq.origin.rebuild(out)`` (``Pipe.forward`` and
+        ``DistributedPipe.forward`` already return the model's structure).
+
+    Raises:
+        ConversionError: a part of the model cannot be traced or cut; the message names
+            the module, unit or line and the mend.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"to_sequential converts an nn.Module, got {type(model).__name__}")
+    args: Tuple[Any, ...] = example_args if isinstance(example_args, tuple) else (example_args,)
+    kwargs: Dict[str, Any] = dict(example_kwargs or {})
+    _check_batch(args, kwargs, dynamic_shapes)
+    # fresh tensors: export would guard on an example that is a view (``x[:, :-1]``)
+    # being one, and every input after it would fail that guard
+    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+    found = check_units(model, units)
+    order = call_order(model, found, args, kwargs, explicit=units is not None)
+    traced = trace(model, args, kwargs, found, order, dynamic_shapes)
+    _check_glue(traced.graph_module, model, set(order))
+    plan = plan_layers(traced.graph_module.graph, traced.units)
+    ns = Namespace()
+    persistent = set(model.state_dict().keys())
+    layers = [build_unit(i, layer, traced.graph_module, plan.free, traced.device, ns,
+                         persistent) for i, layer in enumerate(plan.layers)]
+    seq = ConvertedSequential(*layers)
+    flat = pytree.tree_leaves((args, kwargs))
+    seq.origin = Origin(type(model).__name__, traced.in_spec, traced.out_spec,
+                        {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)},
+                        canonical_names(model))
+    return seq
+
+
+def _check_batch(args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 dynamic_shapes: Optional[Any]) -> None:
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not tensors:
+        raise ConversionError("the example has no tensor; a pipeline cuts its input tensors "
+                              "into micro-batches, so pass at least one")
+    small = [tuple(t.shape) for t in tensors if t.dim() == 0 or t.shape[0] < 2]
+    if small and dynamic_shapes is None:
+        raise ConversionError(
+            f"example tensors of shapes {small} have a batch (dim 0) smaller than 2; the "
+            f"batch dimension is traced as dynamic, which needs an example batch of at "
+            f"least 2 (torch.export fixes sizes 0 and 1). Use a bigger example batch")
+
+
+_MODE_OPS = ("dropout", "batch_norm", "bernoulli")
+
+
+def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
+    """Refuse glue that would freeze train/eval behaviour or take a stateful module's
+    work out of the user's object: name the module and the mend."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    ancestors = {".".join(u.split(".")[:i]) for u in units for i in range(len(u.split(".")))}
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        path = path if path in modules else ""  # export's own root entries
+        owner = modules[path]
+        op = str(node.target)
+        if node.op == "call_function" and any(word in op for word in _MODE_OPS):
+            raise ConversionError(
+                f"{_where(path)} calls {op} in the traced glue between units, whose "
+                f"train/eval behaviour the trace would fix; make the module that calls it a "
+                f"unit (units=[...]), or write the nn.Sequential by hand")
+        if path and path not in ancestors and is_stateful(owner) and path not in units:
+            raise ConversionError(
+                f"module {path!r} ({type(owner).__name__}) holds parameters, buffers or "
+                f"train/eval behaviour but is not inside a unit, so the trace would take its "
+                f"work out of your module object; add it to units=[...] (or its parent)")
+
+
+def _where(path: str) -> str:
+    return f"module {path!r}" if path else "the model's own forward"

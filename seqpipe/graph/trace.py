@@ -1,0 +1,218 @@
+"""Trace a model with its units kept as calls of the user's own module objects.
+
+``torch.export.export(strict=False)`` traces the whole forward into an ATen graph while
+``preserve_module_call_signature`` records how each unit was called (its inputs and
+outputs in the graph, and the structure of its arguments). Each unit's region of the
+graph is then replaced by one ``call_module`` node that calls the user's module object
+with those arguments, eagerly, so only the glue between units stays traced. (``torch.fx``
+symbolic tracing was tried first: it cannot trace Hugging Face models, whose glue
+branches on shapes and takes ``**kwargs``; export handles both, with shapes symbolic.)
+
+The batch dimension (dim 0 of every tensor input) is dynamic by default, so one trace
+serves every batch and micro-batch size; other dimensions are fixed unless the caller
+passes ``dynamic_shapes`` (``torch.export``'s own argument, e.g. the sequence length).
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.fx._pytree as fx_pytree
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import Dim, export
+from torch.export.exported_program import ModuleCallSignature
+from torch.export.graph_signature import ConstantArgument
+from torch.fx.passes.tools_common import legalize_graph
+
+from seqpipe.graph.calls import module_stack
+from seqpipe.graph.errors import MEND, ConversionError, user_frame
+
+__all__ = ["Traced", "trace"]
+
+
+@dataclass
+class Traced:
+    """A flat graph of glue and unit calls, and how to feed it and read its output."""
+
+    graph_module: fx.GraphModule  # placeholders: the flat input leaves; units: call_module
+    in_spec: pytree.TreeSpec  # of (args, kwargs)
+    out_spec: pytree.TreeSpec  # of the model's output
+    units: List[str]  # in the order the forward calls them
+    device: torch.device  # of the example's tensors: device constants written in the glue
+
+
+def default_dynamic_shapes(model: nn.Module, args: Tuple[Any, ...],
+                           kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Dim 0 of every tensor input dynamic (``Dim.AUTO``), keyed like ``export`` wants."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+
+    def spec(value: Any) -> Any:
+        return {0: Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+
+
+def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+          units: Dict[str, nn.Module], order: Sequence[str],
+          dynamic_shapes: Optional[Any]) -> Traced:
+    """Export ``model`` on the example and swap its units back in (see the module doc)."""
+    if dynamic_shapes is None:
+        dynamic_shapes = default_dynamic_shapes(model, args, kwargs)
+    with module_stack(model) as stack:
+        try:
+            program = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes,
+                             preserve_module_call_signature=tuple(order))
+        except Exception as exc:  # noqa: BLE001 - re-raised as a ConversionError naming the place
+            raise _explain(exc, list(stack), units) from exc
+    signatures = {e.fqn: e.signature for e in program.module_call_graph if e.signature}
+    gm = program.module()
+    assert isinstance(gm, fx.GraphModule)
+    gm.graph._codegen = fx.graph.CodeGen()  # flat leaves in, flat leaves out
+    gm.graph.eliminate_dead_code()
+    with warnings.catch_warnings():  # get_attr of a pytree spec: a plain attribute, on purpose
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
+        renamed: Dict[str, fx.Node] = {}
+        for name in order:
+            _swap(gm, name, units[name], signatures[name], renamed)
+    _drop_unused(gm.graph)
+    if isinstance(getattr(gm, _GUARDS, None), nn.Module):
+        setattr(gm, _GUARDS, InputGuards(getattr(gm, _GUARDS)))
+    legalize_graph(gm)
+    gm.recompile()
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    return Traced(gm, program.call_spec.in_spec, program.call_spec.out_spec, list(order),
+                  device)
+
+
+def _explain(exc: Exception, stack: List[str], units: Dict[str, nn.Module]) -> ConversionError:
+    """The export failure as a ConversionError naming the module, the code line and a mend."""
+    inner = stack[-1] if stack else ""
+    where = f"module {inner!r}" if inner else "the model's own forward"
+    in_unit = next((u for u in reversed(stack) if u in units), None)
+    line = user_frame(exc)
+    at = f" at {line}" if line else ""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "Only Tensors or scalars are supported" in str(exc) and in_unit is not None:
+        return ConversionError(
+            f"unit {in_unit!r} is called with an argument that is neither a tensor nor a "
+            f"plain value ({text}); a unit's inputs must be tensors, numbers, strings or None. "
+            f"Pass example_kwargs that avoid it (e.g. use_cache=False), choose units= whose "
+            f"inputs are tensors, or write the nn.Sequential by hand")
+    if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__:
+        kind = "data-dependent control flow (a branch or size that depends on tensor values)"
+    else:
+        kind = f"an operation that cannot be traced ({type(exc).__name__}: {text})"
+    if in_unit is not None:
+        mend = (f"the code runs inside unit {in_unit!r}; units run eagerly but are traced "
+                f"once to record their calls, so split that unit's work so the untraceable "
+                f"part runs inside a unit of its own (units=[...]), or write the "
+                f"nn.Sequential by hand")
+    else:
+        mend = MEND
+    return ConversionError(f"cannot trace {where}{at}: {kind}. Mend: {mend}")
+
+
+def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
+          signature: ModuleCallSignature, renamed: Dict[str, fx.Node]) -> None:
+    """Replace unit ``name``'s traced region of ``gm`` by a call of ``module`` itself;
+    ``renamed`` maps the names of earlier units' replaced outputs to what replaced them."""
+    graph = gm.graph
+    nodes = [n for n in graph.nodes if _innermost_unit(n, name)]
+    by_name = {n.name: n for n in graph.nodes}
+    by_name.update(renamed)
+    leaves: List[Any] = []
+    for arg in signature.inputs:
+        if isinstance(arg, ConstantArgument):
+            leaves.append(arg.value)
+        else:
+            leaves.append(by_name.get(arg.name))
+    args_spec, kwargs_spec = signature.in_spec.children()
+    spec_name = _add_attr(gm, f"_spec_in_{name}", signature.in_spec)
+    unflat = graph.call_function(pytree.tree_unflatten, (leaves, graph.get_attr(spec_name)))
+    args_node = graph.call_function(operator.getitem, (unflat, 0))
+    kwargs_node = graph.call_function(operator.getitem, (unflat, 1))
+    call_args = tuple(graph.call_function(operator.getitem, (args_node, i))
+                      for i in range(args_spec.num_children))
+    call_kwargs = {k: graph.call_function(operator.getitem, (kwargs_node, k))
+                   for k in kwargs_spec.context}
+    _set_submodule(gm, name, module)
+    call = graph.call_module(name, call_args, call_kwargs)
+    out_name = _add_attr(gm, f"_spec_out_{name}", signature.out_spec)
+    flat = graph.call_function(fx_pytree.tree_flatten_spec, (call, graph.get_attr(out_name)))
+    outputs = {arg.name: i for i, arg in enumerate(signature.outputs)
+               if not isinstance(arg, ConstantArgument)}
+    inside = set(nodes)
+    for node in nodes:
+        if node.name in outputs:
+            piece = graph.call_function(operator.getitem, (flat, outputs[node.name]))
+            node.replace_all_uses_with(piece, propagate_meta=True)
+            renamed[node.name] = piece
+        elif any(user not in inside for user in node.users):
+            raise ConversionError(
+                f"the glue after unit {name!r} uses a value computed inside it that the unit "
+                f"does not return ({node.name}); a unit must hand on everything others use "
+                f"through its outputs. " + MEND)
+    for node in reversed(nodes):
+        graph.erase_node(node)
+
+
+_GUARDS = "_guards_fn"  # export's check of the inputs against the trace's assumptions
+
+
+class InputGuards(nn.Module):
+    """Export's input checks, failing with the mend: a ``ValueError`` instead of an
+    ``AssertionError`` deep in the glue (the first layer runs it before anything else)."""
+
+    def __init__(self, check: nn.Module) -> None:
+        super().__init__()
+        self.check = check
+
+    def forward(self, *args: Any) -> None:
+        try:
+            self.check(*args)
+        except AssertionError as exc:
+            raise ValueError(
+                f"the input does not fit the traced model ({exc}): a size other than the "
+                f"batch was fixed when tracing; declare it dynamic with to_sequential(..., "
+                f"dynamic_shapes=...), or convert again with an example of this size") from exc
+
+
+_PURE = (operator.getitem, pytree.tree_unflatten, fx_pytree.tree_flatten_spec)
+
+
+def _drop_unused(graph: fx.Graph) -> None:
+    """Erase attribute reads and pytree plumbing nothing uses (the swapped units' weights,
+    unused output pieces); unlike ``eliminate_dead_code`` this never drops a unit call."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and (node.op == "get_attr" or
+                               (node.op == "call_function" and node.target in _PURE)):
+            graph.erase_node(node)
+
+
+def _innermost_unit(node: fx.Node, name: str) -> bool:
+    stack = node.meta.get("nn_module_stack")
+    return bool(stack) and any(path == name for path, _ in stack.values())
+
+
+def _add_attr(gm: fx.GraphModule, name: str, value: Any) -> str:
+    attr = name.replace(".", "_")
+    setattr(gm, attr, value)
+    return attr
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at ``name`` in ``root``, replacing what export left there."""
+    *parents, last = name.split(".")
+    owner = root
+    for part in parents:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    owner.add_module(last, module)

@@ -1,0 +1,158 @@
+"""Free-form models for the ``seqpipe.to_sequential`` tests (none is an ``nn.Sequential``).
+
+* ``LoopMLP``: a Python loop over a ``ModuleList``, a keyword argument (a mask and a
+  scale), a long skip from the stem to the head, a glue weight, and a head tied to the
+  stem;
+* ``UNet``: a small convolutional U-Net whose encoder features skip to the decoder;
+* ``ResNet``: a small ResNet with BatchNorm (train mode), written here (torchvision's
+  wheel does not load under torch+cpu);
+* ``gpt2``: Hugging Face GPT-2 from a tiny config (tied ``wte``/``lm_head``, attention
+  mask as a keyword), dropout off so losses compare exactly.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WIDTH, CLASSES = 16, 5
+
+
+class LoopMLP(nn.Module):
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Linear(CLASSES, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(depth))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, CLASSES)
+        self.gate = nn.Parameter(torch.full((WIDTH,), 0.5))
+        self.head.weight = nn.Parameter(self.stem.weight.t().contiguous())
+        self.tied = nn.Linear(WIDTH, CLASSES, bias=False)
+        self.tied.weight = self.head.weight  # a tie across the first and last units
+
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None, scale: float = 1.0) -> Tensor:
+        h = torch.tanh(self.stem(x))
+        skip = h
+        for block in self.blocks:
+            h = h + torch.relu(block(h)) * self.gate
+        if mask is not None:
+            h = h * mask.unsqueeze(-1)
+        h = self.norm(h + skip)
+        return {"logits": self.head(h) * scale + self.tied(skip), "hidden": h}
+
+
+class Conv(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.conv(x))
+
+
+class UNet(nn.Module):
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.down1, self.down2 = Conv(3, c), Conv(c, 2 * c)
+        self.mid = Conv(2 * c, 2 * c)
+        self.up2, self.up1 = Conv(4 * c, c), Conv(2 * c, c)
+        self.out = nn.Conv2d(c, 2, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        d1 = self.down1(x)
+        d2 = self.down2(F.max_pool2d(d1, 2))
+        m = self.mid(F.max_pool2d(d2, 2))
+        u2 = self.up2(torch.cat([F.interpolate(m, scale_factor=2.0), d2], 1))
+        u1 = self.up1(torch.cat([F.interpolate(u2, scale_factor=2.0), d1], 1))
+        return self.out(u1)
+
+
+class Basic(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, width: int = 4, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.layer1 = nn.Sequential(Basic(width, width, 1), Basic(width, width, 1))
+        self.layer2 = nn.Sequential(Basic(width, 2 * width, 2), Basic(2 * width, 2 * width, 1))
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def gpt2(layers: int = 2) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    config = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def build(name: str) -> nn.Module:
+    """A fresh model, the same on every call (and every rank), in double precision."""
+    torch.manual_seed(0)
+    model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2}[name]()
+    return model.double() if name != "gpt2" else model
+
+
+def example(name: str, batch: int = 6, step: int = 0
+            ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
+    """``(args, kwargs, target)`` of one batch for ``name``."""
+    gen = torch.Generator().manual_seed(100 + step)
+    if name == "mlp":
+        x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
+        mask = (torch.rand(batch, generator=gen) > 0.2).double()
+        return (x,), {"mask": mask, "scale": 2.0}, torch.randint(CLASSES, (batch,), generator=gen)
+    if name in ("unet", "resnet"):
+        x = torch.randn(batch, 3, 8, 8, generator=gen, dtype=torch.double)
+        if name == "unet":
+            return (x,), {}, torch.randn(batch, 2, 8, 8, generator=gen, dtype=torch.double)
+        return (x,), {}, torch.randint(CLASSES, (batch,), generator=gen)
+    ids = torch.randint(64, (batch, 12), generator=gen)
+    mask = torch.ones(batch, 12, dtype=torch.long)
+    mask[0, :4] = 0
+    return (ids,), {"attention_mask": mask, "use_cache": False}, torch.randint(
+        64, (batch, 12), generator=gen)
+
+
+def loss_of(name: str) -> Any:
+    """The loss on the pipeline's output (the flat output: see docs/models.md)."""
+    if name == "mlp":
+        return lambda out, y: F.cross_entropy(out[0], y)
+    if name == "unet":
+        return F.mse_loss
+    if name == "resnet":
+        return F.cross_entropy
+    return lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def model_loss(name: str, output: Any, target: Tensor) -> Tensor:
+    """The same loss on the model's own output."""
+    if name == "mlp":
+        return F.cross_entropy(output["logits"], target)
+    if name == "gpt2":
+        return loss_of(name)(output.logits, target)
+    return loss_of(name)(output, target)

@@ -1,0 +1,162 @@
+"""``seqpipe.to_sequential`` in one process: four free-form models (``graph_models``)
+converted, trained in ``Pipe`` under two schedules against the plain model, their own
+``state_dict`` and ``eval()`` intact; the errors that refuse what cannot be converted."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from graph_check import train_both
+from graph_models import build, example, loss_of
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+import seqpipe
+from seqpipe import Pipe
+from seqpipe.graph import ConversionError, default_units, to_sequential
+
+TOL = dict(atol=1e-10, rtol=1e-8)
+FLOAT_TOL = dict(atol=2e-5, rtol=1e-4)  # GPT-2 runs in float32
+
+
+def close(tol: dict) -> Any:
+    def expect(actual: Tensor, wanted: Tensor, what: str) -> None:
+        torch.testing.assert_close(actual, wanted, **tol, msg=what)
+    return expect
+
+
+@pytest.mark.parametrize("name", ["mlp", "unet", "resnet", "gpt2"])
+def test_converted_model_trains_like_the_plain_one(name: str) -> None:
+    model, plain = build(name), build(name)
+    args, kwargs, _ = example(name)
+    seq = seqpipe.to_sequential(model, args, kwargs)
+    assert isinstance(seq, nn.Sequential) and len(seq) >= 6
+    # the layers hold the model's own parameter objects, under the model's own keys
+    own = {id(p) for p in model.parameters()}
+    assert {id(p) for p in seq.parameters()} == own
+    assert {seq.origin.original_key(k) for k in seq.state_dict()} <= set(model.state_dict())
+    expect = close(FLOAT_TOL if name == "gpt2" else TOL)
+    for mode in ("eval", "train"):  # the plain call, in the model's own output structure
+        getattr(model, mode)(), getattr(plain, mode)()
+        got, want = seq(*args, **kwargs), plain(*args, **kwargs)
+        assert type(got) is type(want)
+        for a, b in zip(tree_leaves(got), tree_leaves(want)):
+            expect(a, b, f"{name}: plain call in {mode} mode")
+    n = len(seq)
+    # BatchNorm statistics: recomputation would update them twice (seqpipe's own rule for
+    # any model: see docs/pipe.md), so the ResNet runs without checkpointing
+    checkpoint = "never" if name == "resnet" else "except_last"
+    pipe = Pipe(seq, chunks=3, balance=[n // 2, n - n // 2], devices=["cpu", "cpu"],
+                checkpoint=checkpoint)
+    for schedule in ("1f1b", "zb_h1"):
+        def step(batch: Any, target: Tensor, schedule: str = schedule) -> Tensor:
+            return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                                   loss_of(name), schedule=schedule)
+        train_both(name, step, dict(model.named_parameters(remove_duplicate=False)), plain,
+                   3, expect)
+    # Pipe.forward answers in the model's structure, in eval mode equal to the model's
+    model.eval(), plain.eval()
+    got = pipe(seq.origin.pipeline_input(*args, **kwargs))
+    want = plain(*args, **kwargs)
+    assert type(got) is type(want)
+    for a, b in zip(tree_leaves(got), tree_leaves(want)):
+        expect(a, b, f"{name}: Pipe.forward in eval mode")
+    # the model's own state_dict round trip
+    fresh = build(name)
+    fresh.load_state_dict(model.state_dict())
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[key], msg=key)
+
+
+def test_default_units_descend_into_trunks() -> None:
+    assert default_units(build("gpt2")) == [
+        "transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0",
+        "transformer.h.1", "transformer.ln_f", "lm_head"]
+    assert default_units(build("resnet")) == [
+        "conv1", "bn1", "relu", "layer1.0", "layer1.1", "layer2.0", "layer2.1", "fc"]
+
+
+def test_values_that_jump_ahead_are_skips_straight_from_their_layer() -> None:
+    seq = to_sequential(build("unet"), *example("unet")[:2])
+    routes = {(i, name.split(">")[1]) for i, layer in enumerate(seq)
+              for name in type(layer).stash_order}
+    assert routes == {(0, "4"), (1, "3")}  # down1 -> up1, down2 -> up2
+
+
+def test_glue_devices_follow_the_input_and_fixed_sizes_are_checked_first() -> None:
+    seq = to_sequential(build("gpt2"), *example("gpt2")[:2])
+    code = inspect.getsource(seq[0]._code)
+    assert "device(type='cpu')" not in code and "device = getattr_1" in code
+    ids = torch.randint(64, (4, 10))  # 12 tokens when traced
+    with pytest.raises(ValueError, match=r"does not fit the traced model \(Guard failed: "
+                                         r"input_ids.size\(\)\[1\] == 12\).*dynamic_shapes="):
+        seq(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent control flow in the glue
+            h = -h
+        return self.b(h)
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(self.a(x)))
+
+
+class GlueDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(F.dropout(self.a(x), 0.5, self.training))
+
+
+def test_errors_name_the_module_and_the_mend() -> None:
+    x = torch.randn(3, 4)
+    with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
+                                              r".*test_graph.py:\d+ \(if h.sum\(\) > 0:.*\): "
+                                              r"data-dependent control flow.*make that module a "
+                                              r"unit"):
+        to_sequential(Branchy(), (x,))
+    with pytest.raises(ConversionError, match=r"unit 'a' \(Linear\) is called 2 times in one "
+                                              r"forward.*units=\[\.\.\.\] naming the parent"):
+        to_sequential(Twice(), (x,))
+    with pytest.raises(ConversionError, match=r"the model's own forward calls "
+                                              r"aten.dropout.default in the traced glue"):
+        to_sequential(GlueDropout(), (x,))
+    with pytest.raises(ConversionError, match=r"module 'a' \(Linear\) holds parameters, buffers "
+                                              r"or train/eval behaviour but is not inside a "
+                                              r"unit.*add it to units="):
+        to_sequential(Twice(), (x,), units=["b"])  # 'a' would be traced into the glue
+    with pytest.raises(ConversionError, match=r"units 'transformer' and 'transformer.h.0' "
+                                              r"overlap"):
+        to_sequential(build("gpt2"), *example("gpt2")[:2], units=["transformer", "transformer.h.0"])
+    with pytest.raises(ConversionError, match=r"'h.0', which is not a submodule of "
+                                              r"GPT2LMHeadModel; did you mean 'transformer.h.0'"):
+        to_sequential(build("gpt2"), *example("gpt2")[:2], units=["h.0"])
+    with pytest.raises(ConversionError, match=r"batch \(dim 0\) smaller than 2"):
+        to_sequential(Twice(), (torch.randn(1, 4),))
+
+
+def test_a_fixed_input_changed_is_refused() -> None:
+    model = build("mlp")
+    args, kwargs, _ = example("mlp")
+    seq = to_sequential(model, args, kwargs)
+    with pytest.raises(ValueError, match=r"traced as the constant 2.0 and is now 3.0"):
+        seq(*args, **{**kwargs, "scale": 3.0})
+

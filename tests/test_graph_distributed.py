@@ -1,0 +1,108 @@
+"""``seqpipe.to_sequential`` models in ``DistributedPipe``: on 2 ranks the four models of
+``graph_models`` under 1f1b, zb_h1 and interleaved_1f1b (three SGD steps, batch size
+changing, loss, every gradient and weight against the plain model), then a DCP checkpoint
+of the converted GPT-2 saved under one balance, loaded under another and into the plain
+model by its own keys; on 3 ranks GPT-2 (its tie spans the first and last stage)."""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from graph_check import train_both
+from graph_models import build, example, loss_of
+from torch import Tensor, nn
+
+from distributed_harness import Failures, run_workers
+from seqpipe.distributed import DistributedPipe
+from seqpipe.distributed.checkpoint import gather_full_state_dict, load, load_into_plain, save
+from seqpipe.graph import to_sequential
+
+TOL = {"gpt2": dict(atol=2e-5, rtol=1e-4)}
+DOUBLE = dict(atol=1e-10, rtol=1e-8)
+
+
+def _train(world: int, name: str, converted: nn.Sequential, schedule: str,
+           failures: Failures) -> DistributedPipe:
+    seq = copy.deepcopy(converted)  # a DistributedPipe frees the layers other ranks hold
+    n = len(seq)
+    stages = world * (2 if schedule.startswith("interleaved") else 1)
+    balance = [n // stages + (i < n % stages) for i in range(stages)]
+    pipe = DistributedPipe(seq, chunks=world * 2, balance=balance, schedule=schedule,
+                           checkpoint="never" if name == "resnet" else "except_last")
+    params = {seq.origin.original_key(k): p
+              for k, p in pipe.named_parameters(remove_duplicate=False)}
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        given = seq.origin.pipeline_input(*batch[0], **batch[1])
+        return pipe.train_step(given if pipe.is_first else None,
+                               target if pipe.is_last else None, loss_of(name))
+
+    train_both(name, step, params, build(name), world * 2,
+               lambda a, b, what: failures.close(a, b, f"{schedule}: {what}"))
+    return pipe
+
+
+def _checkpoint(rank: int, converted: nn.Sequential, folder: str, failures: Failures) -> None:
+    pipe = DistributedPipe(copy.deepcopy(converted), chunks=2, balance=[2, 5])
+    save(pipe, None, folder)
+    seq2 = copy.deepcopy(converted)
+    with torch.no_grad():
+        for p in seq2.parameters():
+            p.zero_()
+    pipe2 = DistributedPipe(seq2, chunks=2, balance=[5, 2])
+    load(pipe2, None, folder)
+    full = gather_full_state_dict(pipe2)
+    if rank == 0:
+        assert full is not None
+        mine = build("gpt2").state_dict()
+        failures.expect(set(full) == set(mine), f"gathered keys {sorted(set(full) ^ set(mine))}")
+        for key, value in full.items():
+            failures.close(value, mine[key], f"loaded into another balance: {key}")
+        plain = build("gpt2")
+        with torch.no_grad():
+            for p in plain.parameters():
+                p.zero_()
+        load_into_plain(plain, None, folder)
+        for key, value in plain.state_dict().items():
+            failures.close(value, mine[key], f"loaded into the plain model: {key}")
+
+
+def _two(rank: int, world: int, folder: str) -> None:
+    for name in ("mlp", "unet", "resnet", "gpt2"):
+        failures = Failures(rank, TOL.get(name, DOUBLE))
+        seq = to_sequential(build(name), *example(name)[:2])
+        for schedule in ("1f1b", "zb_h1", "interleaved_1f1b"):
+            _train(world, name, seq, schedule, failures)
+        failures.finish()
+    failures = Failures(rank, DOUBLE)
+    _checkpoint(rank, seq, folder, failures)
+    dist.barrier()
+    failures.finish()
+
+
+def _three(rank: int, world: int) -> None:
+    failures = Failures(rank, TOL["gpt2"])
+    seq = to_sequential(build("gpt2"), *example("gpt2")[:2])
+    pipe = _train(world, "gpt2", seq, "1f1b", failures)
+    args, kwargs, _ = example("gpt2")
+    out = pipe.eval()(seq.origin.pipeline_input(*args, **kwargs) if pipe.is_first else None)
+    if pipe.is_last:  # DistributedPipe.forward answers in the model's own structure
+        failures.expect(type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+                        and out.logits.shape == (6, 12, 64), f"forward gave {type(out)}")
+    else:
+        failures.expect(out is None, f"forward on stage {rank} gave {type(out)}")
+    failures.finish()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_converted_models_train_like_the_plain_ones_on_several_ranks(world: int) -> None:
+    if world == 2:
+        with tempfile.TemporaryDirectory() as folder:
+            run_workers(_two, 2, os.path.join(folder, "ckpt"), timeout=300)
+    else:
+        run_workers(_three, 3, timeout=200)
