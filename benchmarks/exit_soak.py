@@ -12,10 +12,13 @@ What runs, each ``--runs`` times:
   launch it), the others with ``python``. Blocks that are fragments (they use names they
   do not define, or need a GPU) are found by one trial run and listed as skipped;
 * ``examples/*.py`` (``train_distributed.py`` under ``torchrun``), with short settings;
-* ``python -m seqpipe --processes 2``, with short settings.
+* ``python -m seqpipe --processes 2``, with short settings;
+* ``benchmarks/import_order.py`` under ``torchrun``, importing seqpipe before
+  ``init_process_group`` (``import-order-first``) and after it (``import-order-late``).
 
     PYTHONPATH=$PWD python benchmarks/exit_soak.py --runs 20
     PYTHONPATH=$PWD python benchmarks/exit_soak.py --runs 100 --only seqpipe-processes-2
+    PYTHONPATH=$PWD python benchmarks/exit_soak.py --runs 40 --only import-order-{first,late}
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from typing import Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["--steps", "2", "--batch", "8", "--chunks", "2", "--balance-by", "params"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+REASON = re.compile(r"terminate called|outlived destroy_process_group|Signal \d+ \(SIG\w+\)")
+"""The telling line of a failed run's stderr (torchrun's own report ends with a rule)."""
 FRAGMENT = re.compile(r"NameError|ModuleNotFoundError|Found no NVIDIA driver|CUDA|cuda|"
                       r"No such file or directory|Torch not compiled")
 
@@ -70,6 +75,9 @@ def all_targets() -> List[Target]:
                [*TORCHRUN, str(examples / "train_distributed.py"), *SHORT]),
         Target("seqpipe-processes-2", [sys.executable, "-m", "seqpipe", "--processes", "2",
                                        *SHORT]),
+        *(Target(f"import-order-{order}", [*TORCHRUN, str(ROOT / "benchmarks" / "import_order.py"),
+                                           f"--seqpipe-import={order}"])
+          for order in ("first", "late")),
     ]
 
 
@@ -91,10 +99,12 @@ def soak(target: Target, runs: int, timeout: float) -> Dict[str, object]:
     for n in range(runs):
         done = run_once(target, timeout)
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            lines = done.stderr.strip().splitlines() or ["(no output)"]
+            last = lines[-1]
             if n == 0 and target.from_docs and FRAGMENT.search(done.stderr):
                 return {"skipped": last[:100]}
-            failures.append(f"run {n + 1}: exit {done.returncode}: {last[:160]}")
+            telling = next((line for line in lines if REASON.search(line)), last)
+            failures.append(f"run {n + 1}: exit {done.returncode}: {telling.strip()[:160]}")
     return {"runs": runs, "failed": len(failures), "seconds": time.monotonic() - started,
             "failures": failures}
 

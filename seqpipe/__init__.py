@@ -19,7 +19,11 @@ _moved.install()  # before anything can ask for a module by its path before the 
 from seqpipe.core.checkpoint import ReentrantCheckpointError  # noqa: E402
 from seqpipe.core.flags import is_checkpointing, is_recomputing  # noqa: E402
 from seqpipe.core.nochunk import NoChunk  # noqa: E402
+from seqpipe.core.teardown import unbind_default_group  # noqa: E402
 from seqpipe.pipe import Pipe  # noqa: E402
+
+# Whatever the order of this import and init_process_group(): see seqpipe/core/teardown.py.
+unbind_default_group()
 
 __all__ = ["Pipe", "DistributedPipe", "NoChunk", "ReentrantCheckpointError", "is_checkpointing",
            "is_recomputing", "to_sequential"]

@@ -243,7 +243,7 @@ class Pipe(nn.Module):
     def _run_step(self, step: TrainStep) -> Tensor:
         return step.run(self._pipeline, self.checkpoint if self.training else "never")
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, but imports torch._dynamo when called
     def _run(self, input: TensorOrTensors) -> TensorOrTensors:
         if self._pending is not None:  # train_step(..., ddp=...): DDP's forward runs it
             step, self._pending = self._pending, None

@@ -16,15 +16,6 @@ from torch.autograd.graph import GradientEdge
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-# torch_checkpoint imports torch._dynamo on its first call, which imports this module,
-# whose default arguments (``group=group.WORLD``) are evaluated on import: imported after
-# the user's init_process_group(), they would hold the default process group past
-# destroy_process_group() into the interpreter's teardown, where gloo can abort the
-# process. Imported now, before any group exists, they hold None. See "Ending a script"
-# in docs/distributed.md.
-if torch.distributed.is_available():
-    import torch.distributed.nn.functional  # noqa: F401
-
 from seqpipe.core.flags import flag, is_checkpointing, is_recomputing
 from seqpipe.core.rng import isolated_rng
 from seqpipe.core.split_backward import reachable

@@ -133,7 +133,7 @@ class _Substitute(TorchFunctionMode):
             self._adopt(value, alias)
         return alias
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, but imports torch._dynamo when called
     def _adopt(self, param: nn.Parameter, alias: Tensor) -> None:
         """Another partition's parameter used here: backpropagate into its alias here too.
 

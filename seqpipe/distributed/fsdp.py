@@ -29,30 +29,45 @@ tied across ranks, ``schedule="auto"``, ``PipeGradScaler`` and ``count_fn``.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Sequence, Set
 
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from seqpipe.core.stage import Stage
 from seqpipe.schedule import Action, Phase
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
 __all__ = ["ShardedStage", "ShardedStep", "plain_parameters", "refuse_dtensors"]
+
+
+def _instance(value: object, module: str, name: str) -> bool:
+    """``isinstance(value, module.name)`` without importing ``module``: no instance of a
+    class exists before the module defining it is imported. ``torch.distributed.tensor``
+    and ``torch.distributed.fsdp`` pull in sympy (a second or more): a user who shards no
+    stage never pays for them."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and isinstance(value, cls)
+
+
+def _is_dtensor(value: object) -> bool:
+    return _instance(value, "torch.distributed.tensor", "DTensor")
 
 
 def plain_parameters(params: Sequence[nn.Parameter]) -> List[nn.Parameter]:
     """``params`` but the ``DTensor`` ones (FSDP2's sharded parameters): what seqpipe's own
     data-parallel reducer may average (FSDP2 reduces the others itself)."""
-    return [p for p in params if not isinstance(p, DTensor)]
+    return [p for p in params if not _is_dtensor(p)]
 
 
 def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
     """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
     ``what``, is a ``DTensor``: the wire carries plain tensors only, so far."""
     for tensor in tensors:
-        if isinstance(tensor, DTensor):
+        if _is_dtensor(tensor):
             raise TypeError(
                 f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
                 f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
@@ -65,7 +80,7 @@ def check_parameters(stage: Stage, managed: Set[int]) -> None:
     would train wrong: one FSDP2 does not manage (``managed``: the ids of those it does),
     or one on a mesh of more than one dimension."""
     for name, param in stage.partition.named_parameters():
-        if not isinstance(param, DTensor):
+        if not _is_dtensor(param):
             continue
         if id(param) not in managed:
             raise NotImplementedError(
@@ -151,7 +166,8 @@ class ShardedStep:
         self.stages: Dict[int, ShardedStage] = {}
         self.last: Dict[Optional[int], int] = {}  # stage -> index of its last B or W
         for s, stage in stages.items():
-            modules = [m for m in stage.partition.modules() if isinstance(m, FSDPModule)]
+            modules = [m for m in stage.partition.modules()
+                       if _instance(m, "torch.distributed.fsdp", "FSDPModule")]
             if modules:
                 self.stages[s] = ShardedStage(stage, modules)
             elif stage.used_parameters != stage.parameters:  # no longer sharded

@@ -1,0 +1,76 @@
+"""A script ends cleanly whatever the order of ``import seqpipe`` and ``init_process_group``.
+
+Imported after the group exists, ``torch.distributed.nn.functional`` (seqpipe imports it;
+``torch._dynamo``, which activation checkpointing imports on its first call, does too)
+binds the default group into its functions' default arguments, so the group outlives
+``destroy_process_group()`` and a gloo worker thread of it can abort the interpreter's
+teardown (issue 21, item 8; seqpipe/core/teardown.py). The abort is rare and timing-dependent;
+its deterministic witness is the group itself: ``run_workers`` fails a worker whose default
+group is still alive after ``destroy_process_group()``.
+
+This module must not import seqpipe at its top: the workers unpickle their function from
+it, and an import here would put seqpipe before ``init_process_group`` again.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed_harness import run_workers
+
+
+def _train_then_gather(rank: int) -> None:
+    """Two 1F1B steps of a 2-stage ``DistributedPipe``, every micro-batch checkpointed (which
+    imports ``torch._dynamo``), ending with a collective whose tensors gloo lets go of late."""
+    from seqpipe.distributed import DistributedPipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    pipe = DistributedPipe(model, chunks=2, balance=[2, 1], checkpoint="always")
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    for _ in range(2):
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        nn.functional.mse_loss)
+    assert "torch._dynamo" in sys.modules, "checkpointing was meant to import torch._dynamo"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rank)
+    assert everyone == [0, 1]
+
+
+def _seqpipe_imported_late(rank: int, world_size: int) -> None:
+    assert "seqpipe" not in sys.modules, "the test needs seqpipe imported after the group"
+    import seqpipe  # noqa: F401  (first import, the default group exists)
+
+    functional = sys.modules["torch.distributed.nn.functional"]  # which seqpipe imported
+    # Unbinding keeps these functions working, on the default group of the call.
+    x = torch.full((2,), float(rank + 1), requires_grad=True)
+    total = functional.all_reduce(x)
+    torch.testing.assert_close(total, torch.full((2,), 3.0))
+    total.sum().backward()  # the gradient of a sum over ranks is all-reduced back
+    torch.testing.assert_close(x.grad, torch.full((2,), float(world_size)))
+    _train_then_gather(rank)
+    # run_workers checks that the default group is gone after destroy_process_group().
+
+
+def test_seqpipe_imported_after_init_process_group_frees_the_default_group() -> None:
+    run_workers(_seqpipe_imported_late, 2, timeout=120)
+
+
+def _dynamo_imported_late_then_seqpipe(rank: int, world_size: int) -> None:
+    import torch._dynamo  # noqa: F401  (as torch.compile or DDP would, before seqpipe)
+    import torch.distributed.nn.functional as functional
+
+    assert "seqpipe" not in sys.modules, "the test needs seqpipe imported after the group"
+    assert dist.group.WORLD in functional.broadcast.__defaults__, (
+        "torch no longer binds the default group at import: this test has no premise left")
+    import seqpipe  # noqa: F401
+
+    assert dist.group.WORLD not in functional.broadcast.__defaults__
+    _train_then_gather(rank)
+
+
+def test_seqpipe_imported_after_torch_dynamo_frees_the_default_group() -> None:
+    run_workers(_dynamo_imported_late_then_seqpipe, 2, timeout=120)
