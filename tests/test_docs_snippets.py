@@ -47,6 +47,7 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("README.md", 'devices=["cuda:0", "cuda:1"], chunks=8)  # or'): _GPUS,
     ("README.md", "pipe = DistributedPipe(model, chunks=8"): _PROCESSES,
     ("README.md", "def token_sum(logits, labels):"): _PROCESSES,
+    ("README.md", "pipe = DistributedPipe(seq, chunks=8"): _PROCESSES,
     ("docs/balance.md", "model = nn.Sequential(...)"): _OUTLINE,
     ("docs/balance.md", "TransformerBlock() for _ in range(24)"): _OUTLINE,
     ("docs/balance.md", 'times = profile_times(model, sample, timeout=2.0, device="cuda:0")'):
@@ -67,6 +68,12 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/distributed.md", "class ForwardOrderDrain:"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_dp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=2 amp.py"): _PROCESSES,
+    ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_fsdp.py"): _PROCESSES,
+    ("docs/models.md", 'model = GPT2LMHeadModel.from_pretrained("gpt2")'):
+        "downloads GPT-2's weights and needs two GPUs; tests/test_graph.py converts a GPT-2 "
+        "built from a small config",
+    ("docs/models.md", "model = torchvision.models.resnet50()"):
+        "needs torchvision and a process group; tests/test_graph*.py convert a ResNet",
     ("docs/migration.md", "fc2 = nn.Linear(8, 4).cuda(1)"): _GPUS,
     ("docs/migration.md", "deepspeed.initialize(model=net"):
         "needs DeepSpeed (the code it ports from)",

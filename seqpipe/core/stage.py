@@ -138,15 +138,20 @@ class Stage:
         self.segments = segments_of(partition, checkpoint_every)  # [] : checkpointed whole
         self.between = skips_between(layout, index, checkpoint_every) if self.segments \
             else frozenset()
-        # The leaves autograd records for the parameters while the partition runs: the
-        # parameters themselves, unless a wrapper registers others while its module runs
-        # (FSDP2's unsharded parameters: seqpipe.distributed.fsdp sets this then), so that
-        # backward targets the parameters the forward used.
-        self.used_parameters: Callable[[], List[Tensor]] = self.parameters  # type: ignore
+        # Where the leaves autograd records for the parameters come from, when a wrapper
+        # registers others while its module runs (FSDP2's unsharded parameters:
+        # seqpipe.distributed.fsdp sets this then); None: the parameters themselves. It is
+        # given the stage rather than holding it, so that the stage is in no cycle.
+        self.leaves: Optional[Callable[["Stage"], List[Tensor]]] = None
 
     def parameters(self) -> List[nn.Parameter]:
         """The parameters that receive gradients, in a fixed order."""
         return [p for p in self.partition.parameters() if p.requires_grad]
+
+    def used_parameters(self) -> List[Tensor]:
+        """The leaves the forward used for the parameters, so that backward targets them:
+        the parameters themselves, or what ``leaves`` says a wrapper put in their place."""
+        return self.parameters() if self.leaves is None else self.leaves(self)
 
     def _call(self, tracker: StageSkipTracker, like: Batch, protect: bool = False,
               sink: Optional[GradSink] = None) -> Callable[..., Any]:

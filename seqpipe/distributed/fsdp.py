@@ -12,7 +12,8 @@ runtime drives FSDP2 itself over a ``train_step``:
   last, on every FSDP module of the stage, so the micro-batches' gradients accumulate,
   unreduced, in the unsharded parameters' ``.grad``;
 * every backward (``B``, and a split backward's ``I`` and ``W``) targets the parameters the
-  forward used: FSDP2's unsharded leaves (``used_parameters``, which ``Stage`` asks for);
+  forward used: FSDP2's unsharded leaves (``unsharded_leaves``, which
+  ``Stage.used_parameters`` asks for);
   before a ``W``, the stage's modules are unsharded (a no-op when they are: a forward with
   ``reshard_after_forward=True`` between ``I`` and ``W`` may have freed them, and ``W``
   re-runs autograd nodes that read them);
@@ -29,6 +30,7 @@ tied across ranks, ``schedule="auto"``, ``PipeGradScaler`` and ``count_fn``.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Sequence, Set
@@ -96,6 +98,26 @@ def check_parameters(stage: Stage, managed: Set[int]) -> None:
                 f"1-D mesh only yet (issue 25)")
 
 
+def _groups(states: List[object]) -> Iterator[object]:
+    for state in states:
+        yield from state._fsdp_param_groups  # type: ignore[attr-defined]
+
+
+def unsharded_leaves(states: List[object], stage: Stage) -> List[Tensor]:
+    """The leaves autograd recorded for ``stage``'s parameters: FSDP2's unsharded
+    parameters of ``states`` (once a forward has created them), and the trainable
+    parameters FSDP2 does not manage."""
+    seen: Dict[int, Tensor] = {}
+    for group in _groups(states):
+        for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
+            leaf = getattr(fsdp_param, "_unsharded_param", None)
+            if leaf is not None and leaf.requires_grad:
+                seen.setdefault(id(leaf), leaf)
+    for param in plain_parameters(stage.parameters()):
+        seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
 class ShardedStage:
     """One stage whose partition holds FSDP2 modules, and the protocol run on them."""
 
@@ -107,25 +129,10 @@ class ShardedStage:
             state = module._get_fsdp_state()
             states.setdefault(id(state), state)
         self.states = list(states.values())
-        stage.used_parameters = self.used_parameters
+        stage.leaves = functools.partial(unsharded_leaves, self.states)
 
     def _groups(self) -> Iterator[object]:
-        for state in self.states:
-            yield from state._fsdp_param_groups  # type: ignore[attr-defined]
-
-    def used_parameters(self) -> List[Tensor]:
-        """The leaves autograd recorded for the stage's parameters: FSDP2's unsharded
-        parameters (once a forward has created them), and the trainable parameters FSDP2
-        does not manage."""
-        seen: Dict[int, Tensor] = {}
-        for group in self._groups():
-            for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
-                leaf = getattr(fsdp_param, "_unsharded_param", None)
-                if leaf is not None and leaf.requires_grad:
-                    seen.setdefault(id(leaf), leaf)
-        for param in plain_parameters(self.stage.parameters()):
-            seen.setdefault(id(param), param)
-        return list(seen.values())
+        return _groups(self.states)
 
     def managed(self) -> Set[int]:
         """The ids of the parameters FSDP2 manages (its sharded ones)."""
@@ -170,8 +177,8 @@ class ShardedStep:
                        if _instance(m, "torch.distributed.fsdp", "FSDPModule")]
             if modules:
                 self.stages[s] = ShardedStage(stage, modules)
-            elif stage.used_parameters != stage.parameters:  # no longer sharded
-                stage.used_parameters = stage.parameters
+            else:  # no longer sharded
+                stage.leaves = None
 
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
