@@ -194,8 +194,10 @@ def test_a_micro_batch_without_a_tensor_between_partitions_is_an_error():
             return x.shape[0], None
 
     pipe = Pipe(nn.Sequential(Count(), nn.Identity()), balance=[1, 1], devices=["cpu", "cpu"])
-    with pytest.raises(TypeError, match=r"got a tuple of \(int, NoneType\) with no tensor; "
-                                        r"return at least one tensor"):
+    with pytest.raises(TypeError, match=r"the output of the layer \(Count\) before the partition "
+                                        r"boundary.* got a tuple of \(int, NoneType\) with no "
+                                        r"tensor; return tensors from that layer, or move the "
+                                        r"boundary"):
         pipe(torch.ones(2, 4))
 
 
