@@ -23,17 +23,20 @@ runtime drives FSDP2 itself over a ``train_step``:
 
 So gradients are reduced once per step, averaged over the FSDP mesh, whatever the schedule
 and whichever ``reshard_after_forward`` the user chose; no ``GradSink`` aliases the stage's
-parameters (their hooks would never see the unsharded leaves). What is not supported yet is
-refused by ``check_supported`` with the limitation named: tensor parallelism and HSDP (a
-parameter ``DTensor`` on a mesh of more than one dimension, or not managed by FSDP), weights
-tied across ranks, ``schedule="auto"``, ``PipeGradScaler`` and ``count_fn``.
+parameters (their hooks would never see the unsharded leaves). The same protocol drives
+HSDP (``fully_shard`` on a 2-D (replicate, shard) mesh) and the FSDP2-style ``replicate``
+(``torch.distributed._composable.replicate_with_fsdp``), whose modules are ``FSDPModule``s
+too. What is not supported yet is refused by ``ShardedStep.check`` with the limitation
+named: tensor parallelism (a parameter ``DTensor`` FSDP2 does not manage, or sharded over
+more mesh dimensions than FSDP2's), the DDP-based ``torch.distributed._composable.replicate``,
+weights tied across ranks, and ``count_fn``.
 """
 from __future__ import annotations
 
 import functools
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -77,25 +80,39 @@ def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str)
                 f"tensor (dtensor.full_tensor(), or .to_local() for the local shard)")
 
 
-def check_parameters(stage: Stage, managed: Set[int]) -> None:
+def check_parameters(stage: Stage, managed: Mapping[int, object]) -> None:
     """Refuse, naming the limitation, a parameter ``DTensor`` of ``stage`` that this runtime
-    would train wrong: one FSDP2 does not manage (``managed``: the ids of those it does),
-    or one on a mesh of more than one dimension."""
+    would train wrong: one FSDP2 does not manage (``managed``: its ``FSDPParam`` by the id
+    of the sharded parameter), or one FSDP2 shards over a tensor-parallel ``DTensor`` (its
+    mesh has more dimensions than the data-parallel mesh FSDP2 was given). FSDP2 and
+    ``replicate`` on a 1-D mesh, and HSDP on a 2-D (replicate, shard) one, are supported."""
+    for name, module in stage.partition.named_modules():
+        if _instance(module, "torch.distributed._composable.replicate", "DDP"):
+            raise NotImplementedError(
+                f"stage {stage.index}: module {name or 'the stage'!r} is wrapped with the "
+                f"DDP-based torch.distributed._composable.replicate, whose reducer expects "
+                f"one forward then one backward per step; use the FSDP2-style "
+                f"torch.distributed._composable.replicate_with_fsdp.replicate (as "
+                f"torch.distributed.pipelining does), or DistributedPipe's "
+                f"data_parallel_group")
     for name, param in stage.partition.named_parameters():
         if not _is_dtensor(param):
             continue
-        if id(param) not in managed:
+        fsdp_param = managed.get(id(param))
+        if fsdp_param is None:
             raise NotImplementedError(
                 f"stage {stage.index}: parameter {name!r} is a DTensor that FSDP2 does not "
                 f"manage (tensor parallelism: parallelize_module); DistributedPipe does not "
                 f"train tensor-parallel stages yet (issue 25): shard the stage with "
-                f"fully_shard on a 1-D mesh only")
-        if param.device_mesh.ndim > 1:
+                f"fully_shard or replicate only")
+        data_mesh = fsdp_param.mesh_info.mesh  # type: ignore[attr-defined]
+        if param.device_mesh.ndim > data_mesh.ndim:
             raise NotImplementedError(
                 f"stage {stage.index}: parameter {name!r} is sharded on a "
-                f"{param.device_mesh.ndim}-D mesh {param.device_mesh.mesh_dim_names} (HSDP, "
-                f"or FSDP over tensor parallelism); DistributedPipe supports fully_shard on a "
-                f"1-D mesh only yet (issue 25)")
+                f"{param.device_mesh.ndim}-D mesh {param.device_mesh.mesh_dim_names}, more "
+                f"dimensions than FSDP2's data-parallel mesh {data_mesh.mesh_dim_names} "
+                f"(FSDP over tensor parallelism); DistributedPipe does not train "
+                f"tensor-parallel stages yet (issue 25)")
 
 
 def _groups(states: List[object]) -> Iterator[object]:
@@ -134,9 +151,10 @@ class ShardedStage:
     def _groups(self) -> Iterator[object]:
         return _groups(self.states)
 
-    def managed(self) -> Set[int]:
-        """The ids of the parameters FSDP2 manages (its sharded ones)."""
-        return {id(fp.sharded_param) for group in self._groups()
+    def managed(self) -> Dict[int, object]:
+        """The ``FSDPParam`` of each parameter FSDP2 manages, by the id of the sharded
+        (registered) parameter."""
+        return {id(fp.sharded_param): fp for group in self._groups()
                 for fp in group.fsdp_params}  # type: ignore[attr-defined]
 
     def begin(self) -> None:
@@ -183,16 +201,15 @@ class ShardedStep:
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
 
-    def check(self, *, auto: bool, scaled: bool, tied: bool, counted: bool) -> None:
+    def check(self, *, tied: bool, counted: bool) -> None:
         """Refuse what is not supported with sharded stages yet, naming it."""
         for s, stage in self.all.items():
             sharded = self.stages.get(s)
-            check_parameters(stage, sharded.managed() if sharded is not None else set())
+            check_parameters(stage, sharded.managed() if sharded is not None else {})
         if not self.stages:
             return
         stages = sorted(self.stages)
-        for unsupported, what in ((auto, "schedule='auto'"), (scaled, "PipeGradScaler"),
-                                  (tied, "weights tied across ranks"),
+        for unsupported, what in ((tied, "weights tied across ranks"),
                                   (counted, "count_fn (its count is not summed over the "
                                             "FSDP mesh)")):
             if unsupported:
