@@ -4,6 +4,7 @@ schedule ``auto`` picks, ``PipeGradScaler``'s ``found_inf`` and ``clip_grad_norm
 every mesh dimension; what is not supported is refused."""
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from distributed_harness import Failures, run_workers
-from seqpipe.distributed import DistributedPipe, PipeGradScaler, mesh_groups
+from seqpipe.distributed import DistributedPipe, PeerError, PipeGradScaler, mesh_groups
 
 TOL = dict(rtol=1e-6, atol=1e-9)
 Wrap = Callable[[nn.Module], Any]
@@ -220,6 +221,69 @@ def _refused(failures: Failures) -> None:
         failures.expect(False, "DDP replicate: trained instead of raising")
 
 
+class _Boom(nn.Module):
+    """Raises in the forward (or the backward) of its ``at``-th call; never if 0."""
+
+    def __init__(self, at: int, in_backward: bool) -> None:
+        super().__init__()
+        self.at, self.in_backward, self.calls = at, in_backward, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls != self.at:
+            return x
+        if not self.in_backward:
+            raise ZeroDivisionError("boom in a forward")
+        x = x.clone()
+        x.register_hook(_raise)
+        return x
+
+
+def _raise(grad: Tensor) -> None:
+    raise ZeroDivisionError("boom in a backward")
+
+
+def _failed(failures: Failures) -> None:
+    """Stage 0 of replica 1 (rank 1) fails in a forward (its FSDP2 peer, rank 0, waits
+    for its all-gather next) or in its last backward (rank 0 waits for the reduce-scatter):
+    every rank raises within seconds, not at the process group's timeout; rank 0 names
+    the failure and where it heard of it."""
+    for name, at, in_backward, heard in (("forward", 2, False, "FSDP2's all-gather"),
+                                         ("last backward", 4, True,
+                                          "FSDP2's gradient reduction")):
+        mesh = _Mesh()
+        model = _model()
+        model.insert(2, _Boom(at if dist.get_rank() == 1 else 0, in_backward))
+        pipe = DistributedPipe(model, chunks=4, balance=[5, 4], group=mesh.pp,
+                               checkpoint="never")
+        _wrap(pipe, partial(fully_shard, mesh=mesh.mesh["dp"]))
+        dist.barrier()
+        started = time.monotonic()
+        try:
+            _step(pipe, mesh, 0)
+        except Exception as exc:  # noqa: BLE001 - which one is checked below
+            error: BaseException = exc
+        else:
+            failures.expect(False, f"{name}: rank {dist.get_rank()} did not raise")
+            continue
+        elapsed = [0.0] * 4
+        dist.all_gather_object(elapsed, time.monotonic() - started)
+        failures.expect(max(elapsed) < 15, f"{name}: raised after {elapsed} s")
+        action = "forward of micro-batch 1" if name == "forward" else \
+            "backward of micro-batch 3"
+        if dist.get_rank() == 1:
+            failures.expect(isinstance(error, ZeroDivisionError), f"{name}: {error!r}")
+            continue
+        text = str(error)
+        failures.expect(isinstance(error, PeerError) and
+                        f"stage 0 failed in the {action}" in text, f"{name}: {error!r}")
+        if mesh.replica == 0:  # heard over FSDP2's mesh, from rank 1
+            failures.expect("[rank 1]" in text, f"{name}: {text}")
+        if dist.get_rank() == 0:
+            failures.expect(f"before {heard} over ranks [0, 1], and heard it from rank(s) 1"
+                            in text, f"{name}: {text}")
+
+
 def _worker(rank: int, world: int) -> None:
     torch.set_default_dtype(torch.float64)
     failures = Failures(rank, TOL)
@@ -228,6 +292,7 @@ def _worker(rank: int, world: int) -> None:
     _scaled(failures)
     _clipped(failures)
     _refused(failures)
+    _failed(failures)
     failures.finish()
 
 
@@ -237,5 +302,6 @@ def test_mesh() -> None:
     model; under schedule='auto' the sharded ranks measure the same costs; an inf in one
     shard skips PipeGradScaler's step everywhere; clip_grad_norm_ gives the model's norm
     and gradients (FSDP2, HSDP, plain data parallel with tied weights, 2- and inf-norm);
-    the DDP-based replicate is refused."""
+    the DDP-based replicate is refused; a rank failing in a forward or in its last
+    backward makes every rank raise within seconds, its FSDP2 peer naming the failure."""
     run_workers(_worker, 4, timeout=300)

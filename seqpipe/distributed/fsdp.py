@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Seque
 from torch import Tensor, nn
 
 from seqpipe.core.stage import Stage
+from seqpipe.distributed.fsdp_verdict import ShardedVerdicts
 from seqpipe.schedule import Action, Phase
 
 if TYPE_CHECKING:
@@ -169,9 +170,11 @@ class ShardedStage:
         for module in self.modules:
             module.unshard()
 
-    def reduce(self) -> None:
-        """After the stage's last backward of the step: one reduce-scatter per parameter
-        group, into the sharded parameters' ``.grad``; then reshard and reset FSDP."""
+    def reduce(self, verdicts: ShardedVerdicts) -> None:
+        """After the stage's last backward of the step (and ``verdicts``: every replica and
+        shard went well so far): one reduce-scatter per parameter group, into the sharded
+        parameters' ``.grad``; then reshard and reset FSDP."""
+        verdicts.end_reduce(self._groups())
         for module in self.modules:
             module.set_requires_gradient_sync(True, recurse=False)
             module.set_reshard_after_backward(True, recurse=False)
@@ -197,6 +200,12 @@ class ShardedStep:
                 self.stages[s] = ShardedStage(stage, modules)
             else:  # no longer sharded
                 stage.leaves = None
+        # a failure here reaches the replicas and shards in FSDP2's collectives
+        self.verdicts: Optional[ShardedVerdicts] = None
+        if self.stages:
+            self.verdicts = ShardedVerdicts(
+                [g for sharded in self.stages.values() for g in sharded._groups()],
+                next(iter(self.stages.values())).stage.device)
 
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
@@ -232,8 +241,23 @@ class ShardedStep:
         if sharded is None:
             yield
             return
+        assert self.verdicts is not None
+        self.verdicts.action = (f"the {action.phase.value} of micro-batch {action.microbatch} "
+                                f"on stage {action.stage}")
         if action.phase is Phase.BACKWARD_WEIGHT:
             sharded.unshard()
         yield
         if self.last.get(action.stage) == n:
-            sharded.reduce()
+            sharded.reduce(self.verdicts)
+
+    def close(self) -> None:
+        """After the call closed on this rank: every replica and shard went well, or
+        ``PeerError`` (see ``seqpipe.distributed.fsdp_verdict``)."""
+        if self.verdicts is not None:
+            self.verdicts.action = "the end of the step"
+            self.verdicts.close()
+
+    def concede(self, text: str) -> None:
+        """This rank failed in the step (``text``): tell its replicas and shards."""
+        if self.verdicts is not None:
+            self.verdicts.concede(text)

@@ -243,6 +243,7 @@ class CallLifecycle:
         weights = LossWeights([], [])
         targets: Optional[List[Any]] = None
         sharded = ShardedStep(self.stages)  # stages the user wrapped with fully_shard
+        call.sharded = sharded  # a failure here is told to their replicas and shards
         with call.guard("start of the step"):
             if self.reducer is not None:
                 self.reducer.follow(self._trainable(),  # requires_grad as of now
@@ -276,6 +277,7 @@ class CallLifecycle:
                 stage.finish_forward()
             loss = self.close(call, weights.report(torch.stack(call.losses).sum())
                               if self.is_last else None)
+            sharded.close()
             self._reduce(call.name())
         assert loss is not None
         return loss
