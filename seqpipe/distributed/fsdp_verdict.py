@@ -85,9 +85,10 @@ class ShardedVerdicts:
         communicate (the same decision on every rank of the group: FSDP2's state is)."""
         def checked(async_op: bool = False) -> Any:
             if (self.active and param_group._all_gather_result is None
-                    and not param_group.is_unsharded):
-                group = getattr(param_group, "_all_gather_process_group", None)
-                if group is not None and group.size() > 1:
+                    and not param_group.is_unsharded
+                    and hasattr(param_group.mesh_info, "shard_process_group")):  # not DDP's
+                group = param_group._all_gather_process_group
+                if group.size() > 1:
                     self.check([group], "FSDP2's all-gather")
             return unshard(param_group, async_op)
         return checked
