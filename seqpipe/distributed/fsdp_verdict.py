@@ -35,10 +35,12 @@ import torch.distributed as dist
 from seqpipe.distributed import verdict
 from seqpipe.distributed.transport import PeerError
 
-__all__ = ["ShardedVerdicts", "param_group_groups"]
+__all__ = ["ShardedVerdicts", "group_ranks", "param_group_groups"]
 
 
-def _ranks(group: dist.ProcessGroup) -> Tuple[int, ...]:
+def group_ranks(group: dist.ProcessGroup) -> Tuple[int, ...]:
+    """The global ranks of ``group``: what tells two handles of one group apart from two
+    groups."""
     return tuple(dist.get_process_group_ranks(group))
 
 
@@ -69,7 +71,7 @@ class ShardedVerdicts:
         self.watched = list(param_groups)
         for param_group in self.watched:
             for group in param_group_groups(param_group):
-                self.groups.setdefault(_ranks(group), group)
+                self.groups.setdefault(group_ranks(group), group)
             param_group.unshard = self._checked(param_group, type(param_group).unshard)
 
     def _release(self) -> None:
@@ -97,7 +99,7 @@ class ShardedVerdicts:
         """Every rank of each of ``groups`` went well so far, or ``PeerError`` naming who
         failed (this rank then concedes on its other groups, through ``Call.abort``)."""
         for group in groups:
-            key = _ranks(group)
+            key = group_ranks(group)
             if not self.active or key in self.settled:
                 continue
             failures = verdict.Verdict(group, self.device).failures()
@@ -113,7 +115,7 @@ class ShardedVerdicts:
         groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
         for param_group in param_groups:
             for group in param_group_groups(param_group):
-                groups.setdefault(_ranks(group), group)
+                groups.setdefault(group_ranks(group), group)
         self.check(list(groups.values()), "FSDP2's gradient reduction")
 
     def close(self) -> None:

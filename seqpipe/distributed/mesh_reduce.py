@@ -24,12 +24,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpipe.distributed.fsdp import _is_dtensor
+from seqpipe.distributed.fsdp_verdict import group_ranks
 
 __all__ = ["MeshReduce", "copy_groups"]
-
-
-def _ranks(group: dist.ProcessGroup) -> Tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(group))
 
 
 def copy_groups(params: Iterable[Tensor],
@@ -49,7 +46,7 @@ def copy_groups(params: Iterable[Tensor],
         candidates += [mesh.get_group(d) for d in range(mesh.ndim)]  # type: ignore[attr-defined]
     for group in candidates:
         if dist.get_world_size(group) > 1:
-            found.setdefault(_ranks(group), group)
+            found.setdefault(group_ranks(group), group)
     return list(found.values())
 
 
@@ -109,5 +106,5 @@ class MeshReduce:
                     raise ValueError(f"a sum over the mesh met a DTensor with a Partial "
                                      f"placement ({tensor.placements}), not yet reduced")
                 if placement.is_shard():
-                    sharded.add(_ranks(mesh.get_group(d)))
-        return all(dist.get_rank(g) == 0 for g in self.groups if _ranks(g) not in sharded)
+                    sharded.add(group_ranks(mesh.get_group(d)))
+        return all(dist.get_rank(g) == 0 for g in self.groups if group_ranks(g) not in sharded)
