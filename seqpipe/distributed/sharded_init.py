@@ -8,8 +8,9 @@ draws for the plain layer: the values differ from ``seed_layers`` (by 0.6 on a L
 
 So the layer is initialised as the plain layer is: each ``DTensor`` parameter or buffer is
 replaced, for the duration of the initialisation, by a plain CPU tensor of its global
-shape; the initialiser draws those (the whole layer, one layer at a time, on the CPU as
-``seed_layers`` does); then each ``DTensor`` gets its own shard of the drawn tensor
+shape (and so is a plain tensor of the layer that is not on the CPU); the initialiser
+draws those (the whole layer, one layer at a time, on the CPU as ``seed_layers`` does);
+then each ``DTensor`` gets its own shard of the drawn tensor
 (``distribute_tensor(..., src_data_rank=None)``: every rank drew the same tensor, so no
 communication) and is put back. The layer's full size is held on the CPU for a moment,
 never the stage's.
@@ -25,7 +26,7 @@ from seqpipe.distributed.fsdp import _is_dtensor
 
 __all__ = ["has_dtensors", "init_through_full"]
 
-_Slot = Tuple[Dict[str, Tensor], str, Tensor]  # (module._parameters or _buffers, name, DTensor)
+_Slot = Tuple[Dict[str, Tensor], str, Tensor]  # (module._parameters or _buffers, name, tensor)
 
 
 def has_dtensors(layer: nn.Module) -> bool:
@@ -34,42 +35,46 @@ def has_dtensors(layer: nn.Module) -> bool:
 
 
 def _slots(layer: nn.Module) -> List[_Slot]:
+    """The entries to stand in for: ``DTensor``s, and plain tensors off the CPU (drawn on
+    the CPU too, so the values do not depend on the device type)."""
     slots: List[_Slot] = []
     for module in layer.modules():
         for table in (module._parameters, module._buffers):
-            slots += [(table, name, t) for name, t in table.items() if _is_dtensor(t)]
+            slots += [(table, name, t) for name, t in table.items()
+                      if t is not None and (_is_dtensor(t) or t.device.type != "cpu")]
     return slots
 
 
 def init_through_full(layer: nn.Module, init: Callable[[nn.Module], None]) -> None:
     """Run ``init(layer)`` on full-size plain CPU stand-ins of ``layer``'s ``DTensor``
-    parameters and buffers, then copy each ``DTensor``'s shard of its stand-in into it.
+    parameters and buffers (and of its plain ones off the CPU), then copy into each
+    ``DTensor`` its shard of its stand-in (into a plain tensor, all of it).
 
     ``layer`` must already have storage (``to_empty``). A tensor shared by two entries
-    (tied inside the layer) gets one stand-in. The ``DTensor`` objects stay the layer's
-    (an optimizer or FSDP2 holding them sees the values).
+    (tied inside the layer) gets one stand-in. The tensor objects stay the layer's (an
+    optimizer or FSDP2 holding them sees the values).
     """
     from torch.distributed.tensor import distribute_tensor
 
     slots = _slots(layer)
     stand_ins: Dict[int, Tensor] = {}
-    for table, name, dtensor in slots:
-        if id(dtensor) not in stand_ins:
-            plain = torch.empty(dtensor.shape, dtype=dtensor.dtype, device="cpu")
-            stand_ins[id(dtensor)] = (nn.Parameter(plain, dtensor.requires_grad)
-                                      if isinstance(dtensor, nn.Parameter) else plain)
-        table[name] = stand_ins[id(dtensor)]
+    for table, name, tensor in slots:
+        if id(tensor) not in stand_ins:
+            plain = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            stand_ins[id(tensor)] = (nn.Parameter(plain, tensor.requires_grad)
+                                     if isinstance(tensor, nn.Parameter) else plain)
+        table[name] = stand_ins[id(tensor)]
     try:
         init(layer)
     finally:
-        for table, name, dtensor in slots:
-            table[name] = dtensor
+        for table, name, tensor in slots:
+            table[name] = tensor
     with torch.no_grad():
-        done = set()
-        for _, _, dtensor in slots:
-            if id(dtensor) in done:
-                continue
-            done.add(id(dtensor))
-            shard = distribute_tensor(stand_ins[id(dtensor)].detach(), dtensor.device_mesh,
-                                      dtensor.placements, src_data_rank=None)
-            dtensor.to_local().copy_(shard.to_local())
+        for tensor in {id(t): t for _, _, t in slots}.values():
+            value = stand_ins[id(tensor)].detach()
+            if _is_dtensor(tensor):  # every rank drew the same: its shard, no communication
+                shard = distribute_tensor(value, tensor.device_mesh, tensor.placements,
+                                          src_data_rank=None)
+                tensor.to_local().copy_(shard.to_local())
+            else:
+                tensor.copy_(value)
