@@ -19,21 +19,29 @@ BF16 = dict(rtol=2e-2, atol=2e-3)  # one bf16 rounding of each summand and of th
 TINY = 64 / 2**20  # bucket_cap_mb of 64 bytes: a bias (16 floats) closes a bucket
 
 
-class _Unused(nn.Module):
-    """A Linear and a parameter that no forward uses (its .grad stays None, as in DDP)."""
+class _Partly(nn.Module):
+    """A Linear; a parameter no forward uses (its .grad stays None, as in DDP); and
+    ``scale``, applied to the first ``first`` rows only: the whole model gives it rows 0-7
+    of the batch, the first replica (rows 0-7) all of its own, the second none (so its
+    ``scale.grad`` is None there: the average is written into a None ``.grad``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: int) -> None:
         super().__init__()
         self.lin = nn.Linear(16, 16)
-        self.extra = nn.Parameter(torch.ones(4))
+        self.unused = nn.Parameter(torch.ones(4))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.first = first
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.lin(x)
+        x = self.lin(x)
+        if self.first == 0:
+            return x
+        return torch.cat([x[:self.first] * self.scale, x[self.first:]])
 
 
-def _model() -> nn.Sequential:
+def _model(first: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), _Unused(),
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), _Partly(first),
                          nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
@@ -79,8 +87,8 @@ def _case(failures: Failures, groups: Tuple[Any, Any], replica: int, what: str,
     the plain model's, each step reduces ``buckets[stage]`` buckets in ``reduced_in``."""
     pp, dp = groups
     reference = _model()
-    pipe = DistributedPipe(_model(), chunks=2, balance=[3, 4], group=pp,
-                           data_parallel_group=dp, **knobs)
+    pipe = DistributedPipe(_model(10**6 if replica == 0 else 0), chunks=2, balance=[3, 4],
+                           group=pp, data_parallel_group=dp, **knobs)
     if hook is not None:
         pipe.register_comm_hook(dp, hook)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -135,11 +143,11 @@ def _worker(rank: int, world: int) -> None:
     # 64-byte buckets: stage 0: a bias or weight each; stage 1: the last Linear, then one
     # each, the unused parameter alone last
     _case(failures, groups, replica, "default buckets", collectives, [1, 1], TOL)
-    _case(failures, groups, replica, "bucket_cap_mb=64 B", collectives, [4, 6], TOL,
+    _case(failures, groups, replica, "bucket_cap_mb=64 B", collectives, [4, 7], TOL,
           bucket_cap_mb=TINY)
     _case(failures, groups, replica, "reduce_dtype=bf16", collectives, [1, 1], BF16,
           reduced_in=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    _case(failures, groups, replica, "DDP's allreduce_hook", collectives, [4, 6], TOL,
+    _case(failures, groups, replica, "DDP's allreduce_hook", collectives, [4, 7], TOL,
           hook=_Hook(default_hooks.allreduce_hook), bucket_cap_mb=TINY)
     _case(failures, groups, replica, "DDP's bf16_compress_hook", collectives, [1, 1], BF16,
           hook=_Hook(default_hooks.bf16_compress_hook))
@@ -166,11 +174,12 @@ def _worker(rank: int, world: int) -> None:
 
 def test_data_parallel_knobs() -> None:
     """pp=2 × dp=2, two SGD steps per case against the plain model, counting the buckets'
-    all-reduces: the default (one bucket per stage); bucket_cap_mb=64 bytes (4 and 6
+    all-reduces: the default (one bucket per stage); bucket_cap_mb=64 bytes (4 and 7
     buckets); reduce_dtype=bf16 (every bucket reduced in bf16, the gradients back in fp32,
     equal to a bf16 tolerance); DDP's allreduce_hook registered with register_comm_hook
     (called once per bucket per step, in order, is_last on the last; gradients exact, a
-    parameter no replica uses keeps grad None) and bf16_compress_hook; and the errors: a
+    parameter no replica uses keeps grad None, one that a replica does not use gets the
+    average) and bf16_compress_hook; and the errors: a
     second hook, the knobs without data_parallel_group, a reduce_dtype that is not
     floating-point."""
     run_workers(_worker, 4, timeout=200)
