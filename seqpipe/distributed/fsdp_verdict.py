@@ -102,7 +102,13 @@ class ShardedVerdicts:
             key = group_ranks(group)
             if not self.active or key in self.settled:
                 continue
-            failures = verdict.Verdict(group, self.device).failures()
+            try:
+                failures = verdict.Verdict(group, self.device).failures()
+            except RuntimeError as exc:  # a rank of the group is gone: no verdict on it
+                self.settled.add(key)
+                raise PeerError(f"rank {dist.get_rank()} lost a rank of the FSDP2 group "
+                                f"{list(key)} while at {self.action}, before {before}: "
+                                f"{type(exc).__name__}: {exc}") from exc
             if failures:
                 self.settled.add(key)
                 heard = ", ".join(str(key[r]) for r, _ in failures)
