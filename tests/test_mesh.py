@@ -156,10 +156,13 @@ def _auto(failures: Failures) -> None:
 
 
 def _scaled(failures: Failures) -> None:
-    """PipeGradScaler on sharded stages: unscaled gradients are the model's; an inf in one
-    shard of one rank skips the step on every rank, which back off to one scale."""
+    """PipeGradScaler on replicated stages: unscaled gradients are the model's; an inf in
+    one rank's gradient skips the step on every rank, which back off to one scale. (Under
+    FSDP2, DTensor's own found_inf handler reduces over the shards; not over the replicas
+    of a Replicate placement, so before the mesh reduction the other pipeline stepped.)"""
     mesh = _Mesh()
-    pipe = _sharded_pipe(mesh)
+    pipe = DistributedPipe(_model(), chunks=4, balance=[4, 4], group=mesh.pp)
+    _wrap(pipe, partial(replicate, mesh=mesh.mesh["dp"]))
     scaler = PipeGradScaler(pipe, init_scale=2.0**8)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     reference = _model()
@@ -171,14 +174,14 @@ def _scaled(failures: Failures) -> None:
     scaler.update()
     opt.zero_grad()
     _step(pipe, mesh, 1, scaler=scaler)
-    if dist.get_rank() == 0:  # one element of one shard on one rank only
+    if dist.get_rank() == 0:  # one element on one rank only
         next(pipe.parameters()).grad.to_local()[0, 0] = float("inf")
-    before = [_full(p.detach()).clone() for p in pipe.parameters()]
+    before = [p.detach().to_local().clone() for p in pipe.parameters()]
     scaler.step(opt)
     scaler.update()
-    after = [_full(p.detach()) for p in pipe.parameters()]
+    after = [p.detach().to_local() for p in pipe.parameters()]
     failures.expect(all(torch.equal(a, b) for a, b in zip(after, before)),
-                    "scaler: a rank stepped although one shard found an inf")
+                    "scaler: a rank stepped although another found an inf")
     scale = scaler.get_scale()
     failures.expect(scale == 2.0**7, f"scaler: scale {scale} after the inf, not 2**7")
 
@@ -300,7 +303,7 @@ def test_mesh() -> None:
     """pp=2 × dp=2 on 4 processes: FSDP2-style replicate (1f1b, zb_h1, interleaved_1f1b)
     and HSDP (2 replicas × 1 shard, 1 × 2) train three AdamW steps as the single-process
     model; under schedule='auto' the sharded ranks measure the same costs; an inf in one
-    shard skips PipeGradScaler's step everywhere; clip_grad_norm_ gives the model's norm
+    replica skips PipeGradScaler's step everywhere; clip_grad_norm_ gives the model's norm
     and gradients (FSDP2, HSDP, plain data parallel with tied weights, 2- and inf-norm);
     the DDP-based replicate is refused; a rank failing in a forward or in its last
     backward makes every rank raise within seconds, its FSDP2 peer naming the failure."""

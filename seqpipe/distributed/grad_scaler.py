@@ -15,7 +15,7 @@ This scaler keeps PyTorch's algorithm and changes two things:
   fused-optimizer path that skips ``unscale_``), the result is agreed, with a MAX
   all-reduce, over the pipeline group and then every group the stages are copied over
   (``DistributedPipe.mesh_reduce``: the data-parallel group, and the mesh dimensions of
-  FSDP2-sharded, HSDP or replicated stages, so an inf in one shard skips the step on every
+  FSDP2-sharded, HSDP or replicated stages, so an inf on one rank skips the step on every
   rank). Every rank then
   skips or takes the step together, and ``update()`` computes the same new scale
   everywhere. The same all-reduce carries the scale itself, so a rank whose scale differs

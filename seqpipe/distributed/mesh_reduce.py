@@ -9,11 +9,9 @@ over the pipeline group first, then over each copy group in turn. The copy group
 from the parameters when needed, so sharding a stage after building the pipe (as the recipe
 does) is seen.
 
-A sum over the pipeline group and then over each copy group is the sum over every rank of the
-mesh when the mesh is a product: every rank of the pipeline is copied over groups of the same
-sizes, in the same order (``check_product``). A maximum needs less: over the pipeline, the copy
-groups and the pipeline again, every rank reads the maximum over all the ranks the groups
-connect.
+A sum (or a maximum) over the pipeline group and then over each copy group is the one over
+every rank of the mesh when the mesh is a product: every rank of the pipeline is copied over
+groups of the same sizes, in the same order (``check_product``, which sums check).
 """
 from __future__ import annotations
 
@@ -89,8 +87,8 @@ class MeshReduce:
         return tensor
 
     def max_(self, tensor: Tensor) -> Tensor:
-        """``tensor`` maximised in place over every rank of the mesh."""
-        for group in [self.pipeline, *self.groups, *([self.pipeline] if self.groups else [])]:
+        """``tensor`` maximised in place over every rank of the mesh (a product mesh)."""
+        for group in [self.pipeline, *self.groups]:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         return tensor
 
