@@ -28,17 +28,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from dist_data_parallel import _model  # noqa: E402 - the same model
+
 import seqpipe.distributed.fsdp_verdict as fsdp_verdict  # noqa: E402
 from distributed_harness import free_port  # noqa: E402
 from seqpipe.distributed import DistributedPipe, mesh_groups  # noqa: E402
-
-
-def _model(width: int, layers: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    body: List[nn.Module] = []
-    for _ in range(layers):
-        body += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*body)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict) -> None:
