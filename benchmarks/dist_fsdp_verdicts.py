@@ -1,11 +1,13 @@
 """What the FSDP2 verdicts cost: a pp=2 × fsdp=2 step with and without them, interleaved.
 
     python benchmarks/dist_fsdp_verdicts.py [--rounds 20] [--width 256] [--layers 8]
+                                            [--no-reshard]
 
 4 gloo processes on loopback, one intra-op thread each: 2 stages, each sharded with
 ``fully_shard`` (each Linear, then the stage) over 2 ranks, ``reshard_after_forward=True``
-(the setting with the most all-gathers, so the most verdicts: one per communicating
-all-gather, and per group at the end of a step; see seqpipe/distributed/fsdp_verdict.py).
+unless ``--no-reshard`` (the setting with the most all-gathers, so the most verdicts: one per
+communicating all-gather, and per group at the end of a step; see
+seqpipe/distributed/fsdp_verdict.py).
 Rounds alternate A (as shipped) and B (the verdicts' ``check`` made a no-op on every rank),
 so machine load hits both; prints the median step time of each, the median of the per-round
 ratios A/B, and the number of verdicts per step.
@@ -50,8 +52,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dic
     for stage in pipe.stage_modules:
         for layer in stage:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(stage, mesh=mesh["dp"])
+                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=args.reshard)
+        fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=args.reshard)
     x = torch.randn(args.batch, args.width) if pipe.is_first else None
     y = torch.randn(args.batch, args.width) if pipe.is_last else None
     check = fsdp_verdict.ShardedVerdicts.check
@@ -91,6 +93,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--no-reshard", dest="reshard", action="store_false",
+                        help="reshard_after_forward=False: all-gathers at first use only")
     args = parser.parse_args()
     with mp.Manager() as manager:
         out = manager.dict()
@@ -99,7 +103,8 @@ def main() -> None:
     a, b = times["A"], times["B"]
     ratios = [x / y for x, y in zip(a, b)]
     print(f"pp=2 x fsdp=2, width {args.width}, {args.layers} Linear layers, {args.chunks} "
-          f"micro-batches of {args.batch // args.chunks}, {args.rounds} rounds")
+          f"micro-batches of {args.batch // args.chunks}, reshard_after_forward="
+          f"{args.reshard}, {args.rounds} rounds")
     print(f"verdicts per step on rank 0: {verdicts}")
     print(f"step with verdicts    (A): median {statistics.median(a) * 1e3:.1f} ms")
     print(f"step without verdicts (B): median {statistics.median(b) * 1e3:.1f} ms")
