@@ -13,9 +13,9 @@ the graph at every boundary is what lets each stage's backward run on its own th
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,7 @@ from seqpipe.core.batchnorm import DeferredBatchNorm
 from seqpipe.core.checkpoint import Replay, first_pass, refusing_reentrant, run_task
 from seqpipe.core.entry import Entry, enter
 from seqpipe.core.microbatch import Batch
+from seqpipe.core.rng import backward_stream, captures
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.segments import run_segments, segments_of, skips_between
 from seqpipe.core.sink import GradSink
@@ -100,6 +101,7 @@ class TaskState:
     split: Optional[SplitBackward] = None  # between I and W
     head: Optional["TaskState"] = None  # the loss's own graph, on a replayed last stage
     saved: Optional[SavedTensors] = None  # split: what the forward saved, freed after I
+    stream: Optional[int] = None  # the seed of the backward's private stream, if it needs one
 
     def edges(self) -> List[GradientEdge]:
         """The roots of this micro-batch's graph on the stage (outputs and skips)."""
@@ -241,6 +243,7 @@ class Stage:
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         tracker.replaying = replaying
         state.saved = SavedTensors() if split else None
+        read = captures()
         with state.recording():
             if checkpoint and self.segments:  # checkpoint_every: segment by segment
                 tracker.between = self.between
@@ -249,6 +252,8 @@ class Stage:
             else:
                 out = run_task(self._call(tracker, received.inputs, checkpoint or replaying,
                                           sink), inputs, checkpoint=checkpoint, seed=seed)
+        if captures() != read:  # a layer's own checkpoint saved the private stream's state
+            state.stream = seed
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
         state.skip_roots = {k: _edge(t) for k, t in sent.skips.items()}
@@ -292,9 +297,16 @@ class Stage:
         phony = state.entry.phony
         wrt = ([phony] if phony is not None else []) + self._weights(sink)
         if roots and wrt:
-            with refusing_reentrant(self.index, state.edges()):
+            with self._backpropagating(state):
                 torch.autograd.backward(roots, grads, inputs=autograd_inputs(wrt))
         return self._received_grads(state)
+
+    @contextmanager
+    def _backpropagating(self, state: TaskState) -> Iterator[None]:
+        """Around a backward through ``state``'s graph: a reentrant checkpoint refused by
+        name, and the private stream that a layer's own checkpoint recomputes from."""
+        with refusing_reentrant(self.index, state.edges()), backward_stream(state.stream):
+            yield
 
     def _weights(self, sink: Optional[GradSink]) -> List[Tensor]:
         """What the parameters' gradients accumulate into: what ``sink`` says, else the
@@ -324,7 +336,7 @@ class Stage:
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         state.split = SplitBackward(roots, grads, state.entry.phony, state.entry.node,
                                     saved=state.saved)
-        with refusing_reentrant(self.index, state.edges()):
+        with self._backpropagating(state):
             state.split.input()
         return self._received_grads(state)
 
@@ -334,7 +346,7 @@ class Stage:
         assert state.split is not None, "backward_weight before backward_input"
         split, state.split = state.split, None
         weights = self._weights(sink)
-        with refusing_reentrant(self.index, state.edges()):
+        with self._backpropagating(state):
             split.weight(weights)
         if state.head is not None and state.head.split is not None:
             state.head.split.weight(weights)  # parameters that loss_fn itself used, if any
