@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from seqpipe.core.batchnorm import DeferredBatchNorm
+from seqpipe.core.caller_input import CallerInput
 from seqpipe.core.checkpoint import Replay, first_pass, refusing_reentrant, run_task
 from seqpipe.core.entry import Entry, enter
 from seqpipe.core.microbatch import Batch
@@ -145,6 +146,7 @@ class Stage:
         # seqpipe.distributed.fsdp sets this then); None: the parameters themselves. It is
         # given the stage rather than holding it, so that the stage is in no cycle.
         self.leaves: Optional[Callable[["Stage"], List[Tensor]]] = None
+        self.caller_input = CallerInput() if index == 0 else None
 
     def parameters(self) -> List[nn.Parameter]:
         """The parameters that receive gradients, in a fixed order."""
@@ -167,14 +169,20 @@ class Stage:
         in the forward and again in the recomputation; see docs/pipe.md for its cost),
         whether ``torch.utils.checkpoint`` recomputes it or a split backward's ``I`` does.
         The input's non-tensor values come from ``like`` (the recomputation gets the same).
+        The first stage's input is the caller's: it is copied whenever its layers would
+        write it, checkpointed or not (``seqpipe.core.caller_input``).
         """
         atomic, constants = like.atomic, like.constants  # not its tensors: not kept alive
         layers = self._layers(tracker, sink)
 
-        def run(*tensors: Tensor) -> Any:
-            if protect:
-                tensors = tuple(t.clone() for t in tensors)
+        def call(tensors: Tuple[Tensor, ...]) -> Any:
             return layers(self.partition, Batch(tensors, atomic, constants).value)
+
+        def run(*tensors: Tensor) -> Any:
+            if self.caller_input is not None:  # the caller's input: copied if written
+                modes = tuple(layer.training for layer in self.partition)
+                return self.caller_input.run(tensors, modes, protect, call)
+            return call(tuple(t.clone() for t in tensors) if protect else tensors)
         return run
 
     def _layers(self, tracker: StageSkipTracker,
