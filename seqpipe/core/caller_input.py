@@ -15,11 +15,10 @@ write cannot be known before they run; the stage learns it from the copies' vers
 counters. Its first micro-batch in each training mode (the layers' ``train()``/``eval()``
 flags, which switch ``Dropout(inplace=True)`` on and off) runs on a copy and looks; from
 then on only a stage whose layers wrote copies, and a stage that does not write runs on
-the views at no cost. A
-layer that writes only later (on some data only) is still seen, at that call, through the
-view's version counter: that call writes the caller's input as the plain model would, and
-its backward raises autograd's in-place error rather than compute a wrong gradient; later
-calls copy.
+the views at no cost. A layer that writes only later (on some data only) is still seen,
+at that call, through the view's version counter: that call writes the caller's input as
+the plain model would, and its backward raises autograd's in-place error rather than
+compute a wrong gradient; later calls copy.
 """
 from __future__ import annotations
 
