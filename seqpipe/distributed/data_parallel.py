@@ -39,6 +39,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from seqpipe.core.loss_weights import Replicas
 from seqpipe.core.sink import step_aware
 from seqpipe.distributed import verdict
+from seqpipe.distributed.tensor_parallel import as_grad, local
 from seqpipe.distributed.transport import PeerError
 
 __all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group"]
@@ -49,14 +50,15 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 def make_buckets(params: Sequence[nn.Parameter],
                  bucket_bytes: int) -> List[List[nn.Parameter]]:
     """Group ``params`` in reverse order into buckets of about ``bucket_bytes``, one dtype
-    and device per bucket (a bucket is reduced as one flat tensor)."""
+    and device per bucket (a bucket is reduced as one flat tensor; a tensor-parallel
+    parameter counts, and is reduced, by its local shard)."""
     buckets: List[List[nn.Parameter]] = []
     open_: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
     size: Dict[Tuple[torch.dtype, torch.device], int] = {}
     for param in reversed(params):
         key = (param.dtype, param.device)
         open_.setdefault(key, []).append(param)
-        size[key] = size.get(key, 0) + param.numel() * param.element_size()
+        size[key] = size.get(key, 0) + local(param).numel() * param.element_size()
         if size[key] >= bucket_bytes:
             buckets.append(open_.pop(key))
             size[key] = 0
@@ -137,7 +139,8 @@ class GradientReducer:
         assert b == len(self.works), "buckets must start in order on every replica"
         bucket = self.buckets[b]
         missing = [p.grad is None for p in bucket]
-        grads = [torch.zeros_like(p) if m else p.grad for p, m in zip(bucket, missing)]
+        grads = [torch.zeros_like(local(p)) if m else local(p.grad)
+                 for p, m in zip(bucket, missing)]
         if any(missing):
             used = torch.tensor([not m for m in missing], dtype=bucket[0].dtype,
                                 device=bucket[0].device)
@@ -170,7 +173,8 @@ class GradientReducer:
                 f"data-parallel group, and heard it from replica "
                 f"{', '.join(str(r) for r, _ in failures)}"))
         for bucket, (_, flat, missing) in zip(self.buckets, self.works):
-            *synced, used = _unflatten_dense_tensors(flat, [*bucket, flat[:len(bucket)]])
+            shapes = [local(p) for p in bucket]
+            *synced, used = _unflatten_dense_tensors(flat, [*shapes, flat[:len(bucket)]])
             # Whether any replica had each gradient: only asked (a device-to-host copy)
             # when this replica lacked one; otherwise this replica had them all.
             users = used.tolist() if missing else [1] * len(bucket)
@@ -178,10 +182,10 @@ class GradientReducer:
                 if not count:  # no replica had a gradient: leave it None, as DDP does
                     continue
                 grad.div_(self.size)
-                if param.grad is None:
-                    param.grad = grad.clone()  # its own tensor, not a view of the bucket
+                if param.grad is None:  # its own tensor, not a view of the bucket
+                    param.grad = as_grad(param, grad.clone())
                 else:
-                    param.grad.copy_(grad)
+                    local(param.grad).copy_(grad)
         self.works = []
 
     def concede(self, text: str) -> None:
