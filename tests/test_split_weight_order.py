@@ -23,7 +23,8 @@ def test_weight_gradients_in_reverse_registration_order() -> None:
         fired: List[int] = []
         for n, layer in enumerate(model):
             for param in layer.parameters():
-                param.register_post_accumulate_grad_hook(lambda _, n=n: fired.append(n))
+                param.register_post_accumulate_grad_hook(
+                    lambda _, n=n, fired=fired: fired.append(n))
         x = torch.randn(4, 8, requires_grad=True)
         incoming = [x]
         entry = enter(incoming, [True], torch.device("cpu"))  # x as a stage receives it
