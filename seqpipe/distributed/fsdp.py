@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Set
 
 from torch import Tensor
 
@@ -44,7 +44,7 @@ from seqpipe.schedule import Action, Phase
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["ShardedStage", "ShardedStep", "refuse_dtensors"]
+__all__ = ["ShardedStage", "ShardedStep"]
 
 
 def _instance(value: object, module: str, name: str) -> bool:
@@ -58,18 +58,6 @@ def _instance(value: object, module: str, name: str) -> bool:
 
 def _is_dtensor(value: object) -> bool:
     return _instance(value, "torch.distributed.tensor", "DTensor")
-
-
-def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
-    """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
-    ``what``, is a ``DTensor``: the wire carries plain tensors only, so far."""
-    for tensor in tensors:
-        if _is_dtensor(tensor):
-            raise TypeError(
-                f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
-                f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
-                f"DTensors between stages yet (issue 25): make the stage's output a plain "
-                f"tensor (dtensor.full_tensor(), or .to_local() for the local shard)")
 
 
 def check_parameters(stage: ShardedStage) -> None:

@@ -23,10 +23,13 @@ What this module adds:
   schedule yet: ``schedule="auto"`` (each pipeline would pick its own), a
   ``PipeGradScaler`` (each would skip steps on its own shards' overflow) and weights
   tied across ranks.
+* ``refuse_dtensors``: a ``DTensor`` activation or gradient does not cross a stage boundary
+  yet (the receiving rank would need its own mesh to rebuild it on); the sending stage
+  raises, naming the mend, rather than its peer failing on a garbled message.
 """
 from __future__ import annotations
 
-from typing import Collection, Iterable, List, Mapping
+from typing import Collection, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.fsdp import _is_dtensor
 
-__all__ = ["as_grad", "check", "local", "reducible"]
+__all__ = ["as_grad", "check", "local", "reducible", "refuse_dtensors"]
 
 
 def local(tensor: Tensor) -> Tensor:
@@ -92,3 +95,18 @@ def check(stages: Mapping[int, Stage], managed: Collection[int], *, auto: bool,
                 f"stage {s} is split with tensor parallelism (parameter {names[0]!r} is a "
                 f"DTensor: parallelize_module), which DistributedPipe does not combine "
                 f"with {what} yet (issue 25); name a schedule, or do not split the stage")
+
+
+def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
+    """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
+    ``what``, is a ``DTensor``: the wire carries plain tensors only, so far. Raised on the
+    sending stage, as its own error (its peers hear that it failed)."""
+    for tensor in tensors:
+        if _is_dtensor(tensor):
+            raise TypeError(
+                f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
+                f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
+                f"DTensors between stages yet (issue 25): make the stage's output a plain "
+                f"tensor: use_local_output=True in the parallel style of the stage's last "
+                f"layer (ColwiseParallel's and RowwiseParallel's default, not "
+                f"SequenceParallel's), or dtensor.full_tensor() or .to_local() in the model")
