@@ -5,9 +5,10 @@ the single-process model. What is not combined with TP yet (``auto``, a DTensor 
 a stage boundary) is refused, naming it."""
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict
 
 import torch
+from test_fsdp import _batch, _full  # the same data as the FSDP2 stages' test
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -40,12 +41,6 @@ def _model() -> nn.Sequential:
                          nn.Linear(16, 3)).double()
 
 
-def _batch(step: int) -> Tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(10 + step)
-    return (torch.randn(16, 6, generator=gen, dtype=torch.float64),
-            torch.randn(16, 3, generator=gen, dtype=torch.float64))
-
-
 def _split(pipe: DistributedPipe, tp: DeviceMesh) -> None:
     """The torchtitan recipe's TP step: each block's MLP Colwise then Rowwise."""
     for stage in pipe.stage_modules:
@@ -55,14 +50,12 @@ def _split(pipe: DistributedPipe, tp: DeviceMesh) -> None:
                                                "fc2": RowwiseParallel()})
 
 
-def _full(tensor: Any) -> Any:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _train(pipe: DistributedPipe, replica: int, replicas: int, failures: Failures,
-           what: str) -> None:
+           what: str, hooked: bool = False) -> None:
     """Three AdamW steps on ``pipe`` (this replica's share of each batch) and on the
-    single-process model (the whole batch): gradients and parameters equal."""
+    single-process model (the whole batch): gradients and parameters equal. ``hooked``:
+    a post-accumulate hook on every parameter fires once per step (the micro-batches
+    accumulate into aliases of the DTensor parameters first)."""
     reference = _model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
@@ -70,15 +63,23 @@ def _train(pipe: DistributedPipe, replica: int, replicas: int, failures: Failure
     mine = dict(pipe.named_parameters())
     failures.expect(any(isinstance(p, DTensor) for p in mine.values()),
                     f"{what}: no parameter is split")
+    fired: Dict[str, int] = {}
+    if hooked:
+        for name, param in mine.items():
+            param.register_post_accumulate_grad_hook(
+                lambda _, name=name, fired=fired: fired.update({name: fired[name] + 1}))
     share = 16 // replicas
     part = slice(replica * share, (replica + 1) * share)
     for step in range(3):
         x, y = _batch(step)
         opt.zero_grad()
+        fired.update(dict.fromkeys(mine, 0))
         pipe.train_step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None,
                         nn.functional.mse_loss)
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
+        failures.expect(not hooked or set(fired.values()) == {1},
+                        f"{what}: step {step}: the hooks fired {fired}, not once each")
         for name, param in mine.items():
             failures.close(_full(param.grad), theirs[name].grad,
                            f"{what}: step {step}: grad of {name}")
@@ -101,7 +102,8 @@ def _worker(rank: int, world: int) -> None:
         pipe = DistributedPipe(_model(), chunks=4, balance=balance, schedule=schedule,
                                checkpoint=checkpoint, group=pp)
         _split(pipe, mesh["tp"])
-        _train(pipe, 0, 1, failures, f"pp=2 x tp=2, {schedule}, checkpoint={checkpoint}")
+        _train(pipe, 0, 1, failures, f"pp=2 x tp=2, {schedule}, checkpoint={checkpoint}",
+               hooked=schedule == "zb_h1")
     pipe = DistributedPipe(_model(), chunks=2, balance=[3, 3], schedule="auto", group=pp)
     _split(pipe, mesh["tp"])
     x, y = _batch(0)
@@ -159,7 +161,8 @@ def _dtensor_activation(failures: Failures) -> None:
 def test_tensor_parallel_stages() -> None:
     """pp=2 × tp=2 on 4 processes under 1f1b, zb_h1 (split backward) and interleaved_1f1b
     (two stages per rank), with each checkpointing mode: the gradients of three AdamW steps
-    and the parameters after each equal the single-process model's; ``schedule='auto'``
+    and the parameters after each equal the single-process model's (under zb_h1 with a
+    hook on every parameter, which fires once per step); ``schedule='auto'``
     with a tensor-parallel stage raises, naming it. And dp=2 × tp=2 (a one-stage pipe):
     seqpipe's data-parallel reducer averages the DTensor parameters' local shards (it used
     to leave them out, unreduced), and FSDP2 over the tensor-parallel blocks trains exactly.

@@ -29,7 +29,7 @@ What this module adds:
 """
 from __future__ import annotations
 
-from typing import Collection, Iterable, List, Mapping, Optional, Sequence
+from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -63,7 +63,7 @@ def reducible(stages: Iterable[Stage], managed: Collection[int]) -> List[nn.Para
     """The trainable parameters of ``stages`` that seqpipe's data-parallel reducer
     averages, each once, in model order: all but FSDP2's (``managed``: their ids), which
     FSDP2 reduces itself; tensor-parallel ones included (their local shards)."""
-    seen: dict = {}
+    seen: Dict[int, nn.Parameter] = {}
     for stage in stages:
         for param in stage.parameters():
             if id(param) not in managed:
