@@ -166,9 +166,13 @@ class ShardedStep:
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
 
-    def managed(self) -> Set[int]:
-        """The ids of the parameters FSDP2 manages on this rank (it reduces them itself)."""
-        return {i for sharded in self.stages.values() for i in sharded.managed()}
+    def managed(self) -> Dict[int, int]:
+        """The parameters FSDP2 manages on this rank (it reduces them itself): by id, the
+        number of dimensions of the mesh it shards each on (a parameter ``DTensor`` with
+        more is also split with tensor parallelism: FSDP over TP)."""
+        return {id(fp.sharded_param): fp.mesh_info.mesh.ndim
+                for sharded in self.stages.values() for group in sharded._groups()
+                for fp in group.fsdp_params}  # type: ignore[attr-defined]
 
     def check(self, *, auto: bool, scaled: bool, tied: bool, counted: bool) -> None:
         """Refuse what is not supported with sharded stages yet, naming it."""

@@ -71,15 +71,19 @@ def reducible(stages: Iterable[Stage], managed: Collection[int]) -> List[nn.Para
     return list(seen.values())
 
 
-def _tensor_parallel(stage: Stage, managed: Collection[int]) -> List[str]:
+def _tensor_parallel(stage: Stage, managed: Mapping[int, int]) -> List[str]:
+    """The names of ``stage``'s parameters split with tensor parallelism: ``DTensor``s on
+    a mesh of more dimensions than FSDP2 shards them on (``managed``; none if it does
+    not manage them)."""
     return [name for name, param in stage.partition.named_parameters()
-            if _is_dtensor(param) and id(param) not in managed]
+            if _is_dtensor(param) and param.device_mesh.ndim > managed.get(id(param), 0)]
 
 
-def check(stages: Mapping[int, Stage], managed: Collection[int], *, auto: bool,
+def check(stages: Mapping[int, Stage], managed: Mapping[int, int], *, auto: bool,
           scaled: bool, tied: bool) -> None:
     """Refuse, naming it, what ``DistributedPipe`` does not combine with tensor-parallel
-    stages (a ``DTensor`` parameter FSDP2 does not manage) yet; see the module docstring."""
+    stages (``_tensor_parallel``, FSDP2 over them included) yet; see the module
+    docstring. ``managed``: ``ShardedStep.managed()``."""
     split = {s: names for s, stage in stages.items()
              if (names := _tensor_parallel(stage, managed))}
     if not split:
