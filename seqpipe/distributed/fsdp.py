@@ -23,22 +23,23 @@ runtime drives FSDP2 itself over a ``train_step``:
 
 So gradients are reduced once per step, averaged over the FSDP mesh, whatever the schedule
 and whichever ``reshard_after_forward`` the user chose; no ``GradSink`` aliases the stage's
-parameters (their hooks would never see the unsharded leaves). The same protocol drives
-HSDP (``fully_shard`` on a 2-D (replicate, shard) mesh) and the FSDP2-style ``replicate``
-(``torch.distributed._composable.replicate_with_fsdp``), whose modules are ``FSDPModule``s
-too. What is not supported yet is refused by ``ShardedStep.check`` with the limitation
-named: tensor parallelism (a parameter ``DTensor`` FSDP2 does not manage, or sharded over
-more mesh dimensions than FSDP2's), the DDP-based ``torch.distributed._composable.replicate``,
-weights tied across ranks, and ``count_fn``.
+parameters (their hooks would never see the unsharded leaves). FSDP2 over tensor-parallel
+``DTensor`` parameters needs nothing more (``seqpipe.distributed.tensor_parallel``). The same
+protocol drives HSDP (``fully_shard`` on a 2-D (replicate, shard) mesh) and the FSDP2-style
+``replicate`` (``torch.distributed._composable.replicate_with_fsdp``), whose modules are
+``FSDPModule``s too; a failure reaches the replicas and shards in FSDP2's collectives through
+``seqpipe.distributed.fsdp_verdict``. What is not supported yet is refused by
+``ShardedStep.check`` with the limitation named: the DDP-based
+``torch.distributed._composable.replicate``, weights tied across ranks, and ``count_fn``.
 """
 from __future__ import annotations
 
 import functools
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Set
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.fsdp_verdict import ShardedVerdicts
@@ -47,7 +48,7 @@ from seqpipe.schedule import Action, Phase
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["ShardedStage", "ShardedStep", "plain_parameters", "refuse_dtensors"]
+__all__ = ["ShardedStage", "ShardedStep"]
 
 
 def _instance(value: object, module: str, name: str) -> bool:
@@ -63,30 +64,11 @@ def _is_dtensor(value: object) -> bool:
     return _instance(value, "torch.distributed.tensor", "DTensor")
 
 
-def plain_parameters(params: Sequence[nn.Parameter]) -> List[nn.Parameter]:
-    """``params`` but the ``DTensor`` ones (FSDP2's sharded parameters): what seqpipe's own
-    data-parallel reducer may average (FSDP2 reduces the others itself)."""
-    return [p for p in params if not _is_dtensor(p)]
-
-
-def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
-    """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
-    ``what``, is a ``DTensor``: the wire carries plain tensors only, so far."""
-    for tensor in tensors:
-        if _is_dtensor(tensor):
-            raise TypeError(
-                f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
-                f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
-                f"DTensors between stages yet (issue 25): make the stage's output a plain "
-                f"tensor (dtensor.full_tensor(), or .to_local() for the local shard)")
-
-
-def check_parameters(stage: Stage, managed: Mapping[int, object]) -> None:
-    """Refuse, naming the limitation, a parameter ``DTensor`` of ``stage`` that this runtime
-    would train wrong: one FSDP2 does not manage (``managed``: its ``FSDPParam`` by the id
-    of the sharded parameter), or one FSDP2 shards over a tensor-parallel ``DTensor`` (its
-    mesh has more dimensions than the data-parallel mesh FSDP2 was given). FSDP2 and
-    ``replicate`` on a 1-D mesh, and HSDP on a 2-D (replicate, shard) one, are supported."""
+def check_parameters(stage: Stage) -> None:
+    """Refuse, naming it, a module of ``stage`` wrapped with the DDP-based
+    ``torch.distributed._composable.replicate`` (its reducer expects one forward, then one
+    backward, per step). FSDP2 (1-D mesh), HSDP (2-D) and the FSDP2-style ``replicate`` are
+    driven by ``ShardedStage``."""
     for name, module in stage.partition.named_modules():
         if _instance(module, "torch.distributed._composable.replicate", "DDP"):
             raise NotImplementedError(
@@ -96,24 +78,6 @@ def check_parameters(stage: Stage, managed: Mapping[int, object]) -> None:
                 f"torch.distributed._composable.replicate_with_fsdp.replicate (as "
                 f"torch.distributed.pipelining does), or DistributedPipe's "
                 f"data_parallel_group")
-    for name, param in stage.partition.named_parameters():
-        if not _is_dtensor(param):
-            continue
-        fsdp_param = managed.get(id(param))
-        if fsdp_param is None:
-            raise NotImplementedError(
-                f"stage {stage.index}: parameter {name!r} is a DTensor that FSDP2 does not "
-                f"manage (tensor parallelism: parallelize_module); DistributedPipe does not "
-                f"train tensor-parallel stages yet (issue 25): shard the stage with "
-                f"fully_shard or replicate only")
-        data_mesh = fsdp_param.mesh_info.mesh  # type: ignore[attr-defined]
-        if param.device_mesh.ndim > data_mesh.ndim:
-            raise NotImplementedError(
-                f"stage {stage.index}: parameter {name!r} is sharded on a "
-                f"{param.device_mesh.ndim}-D mesh {param.device_mesh.mesh_dim_names}, more "
-                f"dimensions than FSDP2's data-parallel mesh {data_mesh.mesh_dim_names} "
-                f"(FSDP over tensor parallelism); DistributedPipe does not train "
-                f"tensor-parallel stages yet (issue 25)")
 
 
 def _groups(states: List[object]) -> Iterator[object]:
@@ -124,15 +88,18 @@ def _groups(states: List[object]) -> Iterator[object]:
 def unsharded_leaves(states: List[object], stage: Stage) -> List[Tensor]:
     """The leaves autograd recorded for ``stage``'s parameters: FSDP2's unsharded
     parameters of ``states`` (once a forward has created them), and the trainable
-    parameters FSDP2 does not manage."""
+    parameters FSDP2 does not manage (plain, or tensor-parallel ``DTensor``s)."""
     seen: Dict[int, Tensor] = {}
+    managed: Set[int] = set()
     for group in _groups(states):
         for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
+            managed.add(id(fsdp_param.sharded_param))
             leaf = getattr(fsdp_param, "_unsharded_param", None)
             if leaf is not None and leaf.requires_grad:
                 seen.setdefault(id(leaf), leaf)
-    for param in plain_parameters(stage.parameters()):
-        seen.setdefault(id(param), param)
+    for param in stage.parameters():
+        if id(param) not in managed:
+            seen.setdefault(id(param), param)
     return list(seen.values())
 
 
@@ -152,10 +119,9 @@ class ShardedStage:
     def _groups(self) -> Iterator[object]:
         return _groups(self.states)
 
-    def managed(self) -> Dict[int, object]:
-        """The ``FSDPParam`` of each parameter FSDP2 manages, by the id of the sharded
-        (registered) parameter."""
-        return {id(fp.sharded_param): fp for group in self._groups()
+    def managed(self) -> Set[int]:
+        """The ids of the parameters FSDP2 manages (its sharded ones)."""
+        return {id(fp.sharded_param) for group in self._groups()
                 for fp in group.fsdp_params}  # type: ignore[attr-defined]
 
     def begin(self) -> None:
@@ -210,11 +176,18 @@ class ShardedStep:
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
 
+    def managed(self) -> Dict[int, int]:
+        """The parameters FSDP2 manages on this rank (it reduces them itself): by id, the
+        number of dimensions of the mesh it shards each on (a parameter ``DTensor`` with
+        more is also split with tensor parallelism: FSDP over TP)."""
+        return {id(fp.sharded_param): fp.mesh_info.mesh.ndim
+                for sharded in self.stages.values() for group in sharded._groups()
+                for fp in group.fsdp_params}  # type: ignore[attr-defined]
+
     def check(self, *, tied: bool, counted: bool) -> None:
         """Refuse what is not supported with sharded stages yet, naming it."""
-        for s, stage in self.all.items():
-            sharded = self.stages.get(s)
-            check_parameters(stage, sharded.managed() if sharded is not None else {})
+        for stage in self.all.values():
+            check_parameters(stage)
         if not self.stages:
             return
         stages = sorted(self.stages)
