@@ -18,6 +18,7 @@ under ``no_grad``, best of 5 runs of 3000 calls in process CPU time (what a unit
 the skip driver, the generated glue, the pytree plumbing around the call).
 
     PYTHONPATH=$PWD python benchmarks/graph_overhead.py [--rounds 21] [--models gpt2 resnet]
+        [--threads 1]
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from _common import interleave, machine, paired_ratio, pin_malloc  # noqa: E402
+from _common import interleave, load_average, machine, paired_ratio, pin_malloc  # noqa: E402
 from graph_models import ResNet  # noqa: E402
 
 from seqpipe.graph import to_sequential  # noqa: E402
@@ -69,12 +70,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", nargs="*", default=["gpt2-tiny", "gpt2", "resnet"])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared machine, several threads "
+                             "per process spin against the load and drown the comparison)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     pin_malloc()
-    print(machine(), flush=True)
+    print(machine([args.threads]), flush=True)
     layer_overhead()
     for name in args.models:
         measure(name, args.rounds, args.warmup)
+    print(f"load average at the end {load_average()}", flush=True)
 
 
 class _Loop(nn.Module):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from graph_check import train_both
 from graph_models import build, example, loss_of
 from torch import Tensor, nn
+from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 import seqpipe
@@ -94,6 +95,19 @@ def test_glue_devices_follow_the_input_and_fixed_sizes_are_checked_first() -> No
     with pytest.raises(ValueError, match=r"does not fit the traced model \(Guard failed: "
                                          r"input_ids.size\(\)\[1\] == 12\).*dynamic_shapes="):
         seq(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+
+
+def test_a_dimension_declared_dynamic_takes_other_sizes() -> None:
+    model = build("gpt2").eval()
+    both = {0: Dim.AUTO, 1: Dim.AUTO}  # batch and sequence length
+    seq = to_sequential(model, *example("gpt2")[:2], dynamic_shapes={
+        "input_ids": both, "attention_mask": both, "use_cache": None})
+    for length in (9, 20):
+        ids = torch.randint(64, (3, length))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        torch.testing.assert_close(seq(ids, attention_mask=mask, use_cache=False).logits,
+                                   model(ids, attention_mask=mask, use_cache=False).logits)
 
 
 class Branchy(nn.Module):

@@ -4,7 +4,8 @@
 model; the ResNet with deferred BatchNorm under recomputation), a meta-built ResNet
 materialised from per-layer seeds, then a DCP checkpoint
 of the converted GPT-2 saved under one balance, loaded under another and into the plain
-model by its own keys; on 3 ranks GPT-2 (its tie spans the first and last stage)."""
+model by its own keys; on 3 ranks the U-Net under zb_h1 (a skip over the middle stage)
+and GPT-2 (its tie spans the first and last stage)."""
 from __future__ import annotations
 
 import copy
@@ -107,6 +108,11 @@ def _two(rank: int, world: int, folder: str) -> None:
 
 
 def _three(rank: int, world: int) -> None:
+    # the U-Net's encoder features skip from stage 0 over stage 1 to stage 2, and back
+    failures = Failures(rank, DOUBLE)
+    _train(world, "unet", to_sequential(build("unet"), *example("unet")[:2]), "zb_h1",
+           failures)
+    failures.finish()
     failures = Failures(rank, TOL["gpt2"])
     seq = to_sequential(build("gpt2"), *example("gpt2")[:2])
     pipe = _train(world, "gpt2", seq, "1f1b", failures)
