@@ -118,9 +118,9 @@ def layer_overhead(calls: int = 3000) -> None:
 def measure(name: str, rounds: int, warmup: int) -> None:
     """Trace ``name`` once, then time eager and converted steps interleaved; print a row."""
     model, inputs, kwargs, loss_of = build(name)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     seq = to_sequential(model, inputs, kwargs)
-    traced = time.perf_counter() - start
+    traced, traced_cpu = time.perf_counter() - start, time.process_time() - start_cpu
 
     def eager() -> None:
         model.zero_grad(set_to_none=True)
@@ -138,7 +138,7 @@ def measure(name: str, rounds: int, warmup: int) -> None:
     print(f"{name:10s} units {len(seq):3d}  eager {eager_ms:8.2f} ms  converted "
           f"{statistics.median(samples['converted'].wall) * 1e3:8.2f} ms  "
           f"ratio wall {ratio:.3f} cpu {cpu:.3f}  ({eager_ms / len(seq):.2f} ms per unit)  "
-          f"tracing {traced:.2f} s", flush=True)
+          f"tracing {traced:.2f} s (CPU {traced_cpu:.2f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def explain(exc: Exception, stack: List[str], units: Collection[str]) -> Convers
             f"plain value ({text}); a unit's inputs must be tensors, numbers, strings or None. "
             f"Pass example_kwargs that avoid it (e.g. use_cache=False), choose units= whose "
             f"inputs are tensors, or write the nn.Sequential by hand")
-    if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__:
+    if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
         kind = "data-dependent control flow (a branch or size that depends on tensor values)"
     else:
         kind = f"an operation that cannot be traced ({type(exc).__name__}: {text})"
