@@ -140,6 +140,16 @@ class GlueDropout(nn.Module):
         return self.b(F.dropout(self.a(x), 0.5, self.training))
 
 
+class ToNumpy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        return self.b(h * len(h.detach().numpy()))  # leaves torch: no trace can follow
+
+
 def test_errors_name_the_module_and_the_mend() -> None:
     x = torch.randn(3, 4)
     with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
@@ -147,6 +157,11 @@ def test_errors_name_the_module_and_the_mend() -> None:
                                               r"data-dependent control flow.*make that module a "
                                               r"unit"):
         to_sequential(Branchy(), (x,))
+    with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
+                                              r".*test_graph.py:\d+ \(return self.b\(h \* "
+                                              r"len\(h.detach\(\).numpy\(\)\)\).*an operation "
+                                              r"that cannot be traced.*make that module a unit"):
+        to_sequential(ToNumpy(), (x,))
     with pytest.raises(ConversionError, match=r"unit 'a' \(Linear\) is called 2 times in one "
                                               r"forward.*units=\[\.\.\.\] naming the parent"):
         to_sequential(Twice(), (x,))
