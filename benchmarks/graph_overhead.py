@@ -4,9 +4,9 @@ For each model, one training step (forward, loss, backward) of the converted
 ``nn.Sequential`` called as the model (``seq(*args, **kwargs)``: flatten the inputs, run
 the layers, rebuild the output) against the same step of the eager model, interleaved
 (``_common.interleave``), as the median of the per-round ratios of wall time and of process
-CPU time (steadier on a shared machine); and the tracing time
-(``to_sequential`` from start to end, one call, wall and process CPU time). Target (issue 23): <= 1.03x for units of
-at least 1 ms. The models:
+CPU time (steadier on a shared machine); and the tracing time (``to_sequential`` from
+start to end, one call, wall and process CPU time). Target (issue 23): <= 1.03x for units
+of at least 1 ms. The models:
 
 * ``gpt2-tiny``: the test config (n_layer 2, n_embd 32; units of ~0.1 ms: what tiny
   units cost; here the traced glue also builds GPT-2's attention mask, which the eager
