@@ -140,11 +140,7 @@ class GlueDropout(nn.Module):
         return self.b(F.dropout(self.a(x), 0.5, self.training))
 
 
-class ToNumpy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
+class ToNumpy(Branchy):
     def forward(self, x: Tensor) -> Tensor:
         h = self.a(x)
         return self.b(h * len(h.detach().numpy()))  # leaves torch: no trace can follow
