@@ -107,8 +107,9 @@ def _exact(failures: Failures) -> None:
                       else partial(fully_shard, mesh=mesh.hybrid(int(kind[5]))))
         reference = _model()
         balance = [2, 2, 2, 2] if schedule == "interleaved_1f1b" else [4, 4]
+        # the failure checks (one case) change no value
         pipe = DistributedPipe(_model(), chunks=4, balance=balance, schedule=schedule,
-                               group=mesh.pp)
+                               group=mesh.pp, sharded_failure_checks=kind == "hsdp 1x2")
         _wrap(pipe, wrap)
         failures.expect(all(isinstance(p, DTensor) and p.device_mesh.ndim == (
             1 if kind == "replicate" else 2) for p in pipe.parameters()),
@@ -250,7 +251,7 @@ def _failed(failures: Failures) -> None:
     """Stage 0 of replica 1 (rank 1) fails in a forward (its FSDP2 peer, rank 0, waits
     for its all-gather next) or in its last backward (rank 0 waits for the reduce-scatter):
     every rank raises within seconds, not at the process group's timeout; rank 0 names
-    the failure and where it heard of it."""
+    the failure and where it heard of it (with ``sharded_failure_checks=True``)."""
     for name, at, in_backward, heard in (("forward", 2, False, "FSDP2's all-gather"),
                                          ("last backward", 4, True,
                                           "FSDP2's gradient reduction")):
@@ -258,7 +259,7 @@ def _failed(failures: Failures) -> None:
         model = _model()
         model.insert(2, _Boom(at if dist.get_rank() == 1 else 0, in_backward))
         pipe = DistributedPipe(model, chunks=4, balance=[5, 4], group=mesh.pp,
-                               checkpoint="never")
+                               checkpoint="never", sharded_failure_checks=True)
         _wrap(pipe, partial(fully_shard, mesh=mesh.mesh["dp"]))
         dist.barrier()
         started = time.monotonic()

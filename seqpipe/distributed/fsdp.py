@@ -136,11 +136,12 @@ class ShardedStage:
         for module in self.modules:
             module.unshard()
 
-    def reduce(self, verdicts: ShardedVerdicts) -> None:
-        """After the stage's last backward of the step (and ``verdicts``: every replica and
-        shard went well so far): one reduce-scatter per parameter group, into the sharded
-        parameters' ``.grad``; then reshard and reset FSDP."""
-        verdicts.end_reduce(self._groups())
+    def reduce(self, verdicts: Optional[ShardedVerdicts]) -> None:
+        """After the stage's last backward of the step (and ``verdicts``, when checked:
+        every replica and shard went well so far): one reduce-scatter per parameter group,
+        into the sharded parameters' ``.grad``; then reshard and reset FSDP."""
+        if verdicts is not None:
+            verdicts.end_reduce(self._groups())
         for module in self.modules:
             module.set_requires_gradient_sync(True, recurse=False)
             module.set_reshard_after_backward(True, recurse=False)
@@ -155,7 +156,7 @@ class ShardedStage:
 class ShardedStep:
     """The FSDP2 protocol over one ``train_step`` of a rank's stages (none may be sharded)."""
 
-    def __init__(self, stages: Mapping[int, Stage]) -> None:
+    def __init__(self, stages: Mapping[int, Stage], *, failure_checks: bool = False) -> None:
         self.all = stages
         self.stages: Dict[int, ShardedStage] = {}
         self.last: Dict[Optional[int], int] = {}  # stage -> index of its last B or W
@@ -166,9 +167,10 @@ class ShardedStep:
                 self.stages[s] = ShardedStage(stage, modules)
             else:  # no longer sharded
                 stage.leaves = None
-        # a failure here reaches the replicas and shards in FSDP2's collectives
+        # a failure here reaches the replicas and shards in FSDP2's collectives (opt-in:
+        # DistributedPipe(sharded_failure_checks=True), for what it costs)
         self.verdicts: Optional[ShardedVerdicts] = None
-        if self.stages:
+        if self.stages and failure_checks:
             self.verdicts = ShardedVerdicts(
                 [g for sharded in self.stages.values() for g in sharded._groups()],
                 next(iter(self.stages.values())).stage.device)
@@ -214,9 +216,9 @@ class ShardedStep:
         if sharded is None:
             yield
             return
-        assert self.verdicts is not None
-        self.verdicts.action = (f"the {action.phase.value} of micro-batch {action.microbatch} "
-                                f"on stage {action.stage}")
+        if self.verdicts is not None:
+            self.verdicts.action = (f"the {action.phase.value} of micro-batch "
+                                    f"{action.microbatch} on stage {action.stage}")
         if action.phase is Phase.BACKWARD_WEIGHT:
             sharded.unshard()
         yield

@@ -82,6 +82,8 @@ class CallLifecycle:
         self.tied = tied
         self.partition = partition
         self.broadcast_buffers = broadcast_buffers
+        # verdicts before FSDP2's collectives (DistributedPipe(sharded_failure_checks=...))
+        self.sharded_failure_checks = False
         self.rank = transport.index
         self.num_ranks = placement.num_ranks
         self.num_stages = placement.num_stages
@@ -234,7 +236,8 @@ class CallLifecycle:
                     count_fn: Optional[CountFn]) -> Tensor:
         weights = LossWeights([], [])
         targets: Optional[List[Any]] = None
-        sharded = ShardedStep(self.stages)  # stages the user wrapped with fully_shard
+        # stages the user wrapped with fully_shard
+        sharded = ShardedStep(self.stages, failure_checks=self.sharded_failure_checks)
         call.sharded = sharded  # a failure here is told to their replicas and shards
         managed = sharded.managed()  # FSDP2 reduces these itself
         with call.guard("start of the step"):

@@ -106,6 +106,14 @@ class DistributedPipe(nn.Module):
             (``torch.float32`` for bf16 parameters, or ``torch.bfloat16`` to send fp32
             gradients at half the bytes), cast back to each parameter's dtype; default:
             the parameters' own. See also ``register_comm_hook``.
+        sharded_failure_checks: with stages sharded by FSDP2 (``fully_shard``, HSDP,
+            ``replicate``), check before each of FSDP2's all-gathers and gradient
+            reductions that no rank of its group has failed, so that a failure ends every
+            rank of the mesh at once instead of at the process group's timeout. Off by
+            default: each check is an 8-byte all-reduce read on the host (1.35x a
+            pp=2 x fsdp=2 CPU step in ``benchmarks/dist_fsdp_verdicts.py``; on a GPU a
+            host sync that also stops FSDP2's prefetching), so turn it on while
+            developing, or set ``init_process_group(timeout=...)``.
     """
 
     def __init__(self, module: nn.Sequential, chunks: int = 1, *,
@@ -117,7 +125,8 @@ class DistributedPipe(nn.Module):
                  broadcast_buffers: bool = True, base_seed: Optional[int] = None,
                  checkpoint_every: Optional[int] = None,
                  bucket_cap_mb: Optional[float] = None,
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 reduce_dtype: Optional[torch.dtype] = None,
+                 sharded_failure_checks: bool = False) -> None:
         super().__init__()
         verify_module(module)
         if not dist.is_available() or not dist.is_initialized():
@@ -216,6 +225,7 @@ class DistributedPipe(nn.Module):
                                     tied=TieGrads(self._tied) if self._tied is not None else None,
                                     partition=partition,
                                     broadcast_buffers=self.broadcast_buffers)
+        self._calls.sharded_failure_checks = bool(sharded_failure_checks)
 
     @property
     def stage_modules(self) -> Tuple[nn.Sequential, ...]:
