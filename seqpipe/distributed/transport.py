@@ -72,6 +72,7 @@ from seqpipe.distributed.wire import (
     encode_text,
     nbytes,
     pack,
+    read_header,
     spec_of,
     unpack,
 )
@@ -299,7 +300,7 @@ class Transport:
         flags = tuple(bool(s and s[1]) for s in specs)
         return Message(kind, microbatch, key, tensors, flags, count, atomic, origin, values)
 
-    def _arrival(self, posted: _Posted) -> List[int]:
+    def _arrival(self, posted: _Posted) -> Sequence[int]:
         """Wait for a posted receive; its header, read on the host.
 
         On a GPU the wait and the copy of the header run on a side stream, so the host
@@ -308,7 +309,7 @@ class Transport:
         """
         if self._side is None or self._arrived is None:  # the buffer is host memory
             self._wait(posted.work)
-            return posted.buffer[:HEADER_BYTES].view(torch.int64).tolist()
+            return read_header(posted.buffer)
         host = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(self._side):
             self._wait(posted.work)  # makes the side stream, not the host, wait
@@ -316,7 +317,7 @@ class Transport:
             self._arrived.record(self._side)
         self._arrived.synchronize()
         torch.cuda.current_stream(self.device).wait_event(self._arrived)
-        return host.view(torch.int64).tolist()
+        return read_header(host)
 
     # -- releasing sends ---------------------------------------------------------------
     def _release(self, dst: int, before: int) -> None:
