@@ -65,7 +65,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 from _common import pin_malloc
-from dist_vs_torch_pipelining import _busy_seconds, _init, _own_cpu, machine_line, spawn
+from dist_vs_torch_pipelining import _init, machine_line, spawn, time_rounds
 from torch import Tensor, nn
 
 from seqpipe.distributed import DistributedPipe
@@ -139,8 +139,6 @@ def make_gpt(vocab: int, width: int, heads: int, blocks: int, length: int,
 def balance_of(blocks: int, stages: int) -> List[int]:
     """Layers per stage: blocks spread evenly, ``Embed`` on the first stage, ``Head`` on the
     last."""
-    if blocks % stages:
-        raise SystemExit(f"--blocks {blocks} does not split into {stages} stages")
     balance = [blocks // stages] * stages
     balance[0] += 1
     balance[-1] += 1
@@ -268,52 +266,6 @@ def check_gradients(variants: Variants) -> Dict[str, float]:
     return worst
 
 
-# -- timing ----------------------------------------------------------------------------
-def time_rounds(variants: Variants, args: argparse.Namespace) -> Dict[str, Any]:
-    """Interleaved rounds: per variant, the step's start/end and main-thread CPU here."""
-    names = list(variants.steps)
-    for _ in range(args.warmup):
-        for name in names:
-            dist.barrier()
-            variants.steps[name]()
-    rows, cpus, foreign = [], [], []
-    for r in range(args.rounds):
-        shift = r % len(names)
-        dist.barrier()
-        busy0, own0, w0 = _busy_seconds(), _own_cpu(), time.perf_counter()
-        row = [0.0] * (2 * len(names))
-        crow = [0.0] * len(names)
-        for name in names[shift:] + names[:shift]:
-            k = names.index(name)
-            dist.barrier()
-            c0, t0 = time.thread_time(), time.perf_counter()
-            variants.steps[name]()
-            t1, c1 = time.perf_counter(), time.thread_time()
-            row[2 * k:2 * k + 2] = [t0, t1]
-            crow[k] = c1 - c0
-        dist.barrier()
-        mine = torch.tensor([_own_cpu() - own0, _busy_seconds() - busy0,
-                             time.perf_counter() - w0], dtype=torch.float64)
-        both = [torch.zeros_like(mine) for _ in range(2)]
-        dist.all_gather(both, mine)
-        foreign.append(max(0.0, float(both[0][1] - both[0][0] - both[1][0]) / float(both[0][2])))
-        rows.append(row)
-        cpus.append(crow)
-    everyone = [torch.zeros(len(rows), 2 * len(names), dtype=torch.float64) for _ in range(2)]
-    dist.all_gather(everyone, torch.tensor(rows, dtype=torch.float64))
-    cpu_all = [torch.zeros(len(rows), len(names), dtype=torch.float64) for _ in range(2)]
-    dist.all_gather(cpu_all, torch.tensor(cpus, dtype=torch.float64))
-    out: Dict[str, Any] = {"foreign": foreign}
-    for k, name in enumerate(names):
-        t0 = torch.minimum(everyone[0][:, 2 * k], everyone[1][:, 2 * k])
-        t1 = torch.maximum(everyone[0][:, 2 * k + 1], everyone[1][:, 2 * k + 1])
-        if name == ONE:  # rank 1 only waits
-            t0, t1 = everyone[0][:, 2 * k], everyone[0][:, 2 * k + 1]
-        out[name] = {"wall": (t1 - t0).tolist(),
-                     "cpu": [cpu_all[0][:, k].tolist(), cpu_all[1][:, k].tolist()]}
-    return out
-
-
 def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     pin_malloc()
     _init(rank, port)
@@ -325,7 +277,9 @@ def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         if bad:
             raise AssertionError(f"rank {rank}: gradients differ from the unpipelined "
                                  f"model's: {bad}")
-        timed = time_rounds(variants, args)
+        rounds = argparse.Namespace(rounds=args.rounds, warmup=args.warmup,
+                                    max_rounds=args.rounds, max_foreign=float("inf"))
+        timed = time_rounds(variants, rounds, clock=time.thread_time)  # main thread
         everyone = [None, None]
         dist.all_gather_object(everyone, worst)
         if rank == 0:
@@ -365,8 +319,8 @@ def report(timed: Dict[str, Any], args: argparse.Namespace) -> List[str]:
         ours, theirs = timed[f"seqpipe {name}"], timed[f"torch {name}"]
         s, t = _med(ours["wall"]), _med(theirs["wall"])
         speed = _med([b / a for a, b in zip(ours["wall"], theirs["wall"])])
-        cpu_t = " / ".join(f"{_med(c) * 1e3:.1f}" for c in theirs["cpu"])
-        cpu_s = " / ".join(f"{_med(c) * 1e3:.1f}" for c in ours["cpu"])
+        cpu_t = " / ".join(f"{_med(c) * 1e3:.1f}" for c in theirs["ranks"])
+        cpu_s = " / ".join(f"{_med(c) * 1e3:.1f}" for c in ours["ranks"])
         lines.append(f"| {name} | {TORCH_OF[name]} | {t * 1e3:.1f} | {s * 1e3:.1f} | "
                      f"**{speed:.3f}×** | {t / ceiling:.3f}× | {t / one_f_one_b:.3f} | "
                      f"{s / one_f_one_b:.3f} | "
@@ -392,6 +346,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.width % args.heads:
         parser.error("--width must be a multiple of --heads")
+    for name in args.schedules:
+        stages = placement_of(get_schedule(name), 2).num_stages
+        if args.blocks % stages:
+            parser.error(f"--blocks {args.blocks} does not split into the {stages} stages "
+                         f"of {name}")
     print(f"# {machine_line()} (at start)", file=sys.stderr, flush=True)
     started = time.perf_counter()
     timed = next(r for kind, _, r in spawn(bench_rank, args) if kind == "timing")
