@@ -742,7 +742,7 @@ def test_a_header_reads_back_word_for_word_and_decodes() -> None:
     size = HEADER_BYTES + wire.nbytes(wire.spec_of(tensors))
     words = wire.read_header(wire.pack(header, [t for t in tensors if t is not None], size,
                                        torch.device("cpu")))
-    assert list(words) == header.tolist()
+    assert words == header.tolist()
     kind, microbatch, key, count, atomic, reshaped, origin, specs, got = wire.decode(words)
     assert (kind, microbatch, key, count, atomic, reshaped, origin) == \
         (wire.Kind.SKIP, 7, -1, 9, False, True, -1)

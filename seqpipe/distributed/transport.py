@@ -300,7 +300,7 @@ class Transport:
         flags = tuple(bool(s and s[1]) for s in specs)
         return Message(kind, microbatch, key, tensors, flags, count, atomic, origin, values)
 
-    def _arrival(self, posted: _Posted) -> Sequence[int]:
+    def _arrival(self, posted: _Posted) -> List[int]:
         """Wait for a posted receive; its header, read on the host.
 
         On a GPU the wait and the copy of the header run on a side stream, so the host

@@ -144,10 +144,10 @@ def _header(words: List[int], pin: bool) -> Tensor:
 _WORDS = struct.Struct(f"={HEADER_SLOTS}q")
 
 
-def read_header(buffer: Tensor) -> Tuple[int, ...]:
+def read_header(buffer: Tensor) -> List[int]:
     """The header words at the start of ``buffer``, a byte tensor in host memory (read
     through NumPy's view of it: a third of what ``.tolist()`` of an int64 view costs)."""
-    return _WORDS.unpack_from(buffer.numpy())
+    return list(_WORDS.unpack_from(buffer.numpy()))
 
 
 def encode_text(kind: Kind, text: str, *, pin: bool = False) -> Tensor:
@@ -157,11 +157,11 @@ def encode_text(kind: Kind, text: str, *, pin: bool = False) -> Tensor:
     return _header(words + bytes_to_words(text.encode("utf-8")[:room]), pin)
 
 
-def decode_text(header: Sequence[int]) -> str:
+def decode_text(header: List[int]) -> str:
     return words_to_bytes(header, _FIXED)[0].decode("utf-8", "replace")
 
 
-def decode(header: Sequence[int]
+def decode(header: List[int]
            ) -> Tuple[Kind, int, int, int, bool, bool, int, List[Optional[Tuple]], Values]:
     if header[0] != _MAGIC:
         raise RuntimeError("received a corrupt pipeline header: the stages disagree about "
