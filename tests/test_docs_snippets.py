@@ -69,12 +69,16 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_dp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=2 amp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_fsdp.py"): _PROCESSES,
+    ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_dp_tp.py"): _PROCESSES,
     ("docs/distributed.md", "bucket_cap_mb=4,"): _PROCESSES,
     ("docs/models.md", 'model = GPT2LMHeadModel.from_pretrained("gpt2")'):
         "downloads GPT-2's weights and needs two GPUs; tests/test_graph.py converts a GPT-2 "
         "built from a small config",
     ("docs/models.md", "model = torchvision.models.resnet50()"):
         "needs torchvision and a process group; tests/test_graph*.py convert a ResNet",
+    ("docs/models.md", "model = MyModel()                                   # nothing allocated"):
+        "needs a process group and the reader's model; tests/test_graph_distributed.py "
+        "converts a ResNet built on meta",
     ("docs/migration.md", "fc2 = nn.Linear(8, 4).cuda(1)"): _GPUS,
     ("docs/migration.md", "deepspeed.initialize(model=net"):
         "needs DeepSpeed (the code it ports from)",

@@ -45,6 +45,7 @@ from seqpipe.core.loss_weights import Replicas
 from seqpipe.core.sink import step_aware
 from seqpipe.distributed import verdict
 from seqpipe.distributed.comm_hook import CommHook, GradBucket, HookWork
+from seqpipe.distributed.tensor_parallel import as_grad, local
 from seqpipe.distributed.transport import PeerError
 
 __all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group",
@@ -74,14 +75,15 @@ def reducer_options(bucket_cap_mb: Optional[float],
 def make_buckets(params: Sequence[nn.Parameter],
                  bucket_bytes: int) -> List[List[nn.Parameter]]:
     """Group ``params`` in reverse order into buckets of about ``bucket_bytes``, one dtype
-    and device per bucket (a bucket is reduced as one flat tensor)."""
+    and device per bucket (a bucket is reduced as one flat tensor; a tensor-parallel
+    parameter counts, and is reduced, by its local shard)."""
     buckets: List[List[nn.Parameter]] = []
     open_: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
     size: Dict[Tuple[torch.dtype, torch.device], int] = {}
     for param in reversed(params):
         key = (param.dtype, param.device)
         open_.setdefault(key, []).append(param)
-        size[key] = size.get(key, 0) + param.numel() * param.element_size()
+        size[key] = size.get(key, 0) + local(param).numel() * param.element_size()
         if size[key] >= bucket_bytes:
             buckets.append(open_.pop(key))
             size[key] = 0
@@ -176,7 +178,8 @@ class GradientReducer:
         assert b == len(self.works), "buckets must start in order on every replica"
         bucket = self.buckets[b]
         missing = [p.grad is None for p in bucket]
-        grads = [torch.zeros_like(p) if m else p.grad for p, m in zip(bucket, missing)]
+        grads = [torch.zeros_like(local(p)) if m else local(p.grad)
+                 for p, m in zip(bucket, missing)]
         if any(missing):
             used = torch.tensor([not m for m in missing], dtype=bucket[0].dtype,
                                 device=bucket[0].device)
@@ -229,13 +232,14 @@ class GradientReducer:
                 f"{', '.join(str(r) for r, _ in failures)}"))
         counts = flags[1].tolist() if flags is not None else []
         for bucket, (work, flat, missing) in zip(self.buckets, self.works):
+            shapes = [local(p) for p in bucket]  # a tensor-parallel one: its local shard
             if flags is None:
-                *synced, used = _unflatten_dense_tensors(flat, [*bucket, flat[:len(bucket)]])
+                *synced, used = _unflatten_dense_tensors(flat, [*shapes, flat[:len(bucket)]])
                 # Whether any replica had each gradient: only asked (a device-to-host
                 # copy) when this replica lacked one; otherwise this replica had them all.
                 users = used.tolist() if missing else [1] * len(bucket)
             else:  # the hook's result is the average already
-                synced = _unflatten_dense_tensors(work.result(flat), bucket)
+                synced = _unflatten_dense_tensors(work.result(flat), shapes)
                 users, counts = counts[:len(bucket)], counts[len(bucket):]
             for param, grad, count in zip(bucket, synced, users):
                 if not count:  # no replica had a gradient: leave it None, as DDP does
@@ -243,10 +247,10 @@ class GradientReducer:
                 grad = grad.to(param.dtype)  # back from reduce_dtype (a view if it is)
                 if flags is None:
                     grad.div_(self.size)
-                if param.grad is None:
-                    param.grad = grad.clone()  # its own tensor, not a view of the bucket
+                if param.grad is None:  # its own tensor, not a view of the bucket
+                    param.grad = as_grad(param, grad.clone())
                 else:
-                    param.grad.copy_(grad)
+                    local(param.grad).copy_(grad)
         self.works, self.used = [], []
 
     def concede(self, text: str) -> None:
