@@ -204,8 +204,13 @@ def _own_cpu() -> float:
     return t.user + t.system  # every thread of this process (gloo's included)
 
 
-def time_rounds(variants: Variants, args: argparse.Namespace) -> Dict[str, Any]:
-    """Interleaved timed rounds; returns per-variant step times of the quiet rounds."""
+def time_rounds(variants: Any, args: argparse.Namespace,
+                clock: Callable[[], float] = _own_cpu) -> Dict[str, Any]:
+    """Interleaved timed rounds; returns per-variant step times of the quiet rounds.
+
+    ``variants.steps``: the step of each variant; each step's CPU time is read with
+    ``clock`` on each rank (default: the whole process's), summed over both (``cpu``) and
+    per rank (``ranks``)."""
     names = list(variants.steps)
     for _ in range(args.warmup):
         for name in names:
@@ -224,9 +229,9 @@ def time_rounds(variants: Variants, args: argparse.Namespace) -> Dict[str, Any]:
         for name in names[shift:] + names[:shift]:
             k = names.index(name)
             dist.barrier()
-            c0, t0 = _own_cpu(), time.perf_counter()
+            c0, t0 = clock(), time.perf_counter()
             variants.steps[name]()
-            t1, c1 = time.perf_counter(), _own_cpu()
+            t1, c1 = time.perf_counter(), clock()
             row[2 * k:2 * k + 2] = [t0, t1]
             crow[k] = c1 - c0
         dist.barrier()
@@ -256,7 +261,8 @@ def time_rounds(variants: Variants, args: argparse.Namespace) -> Dict[str, Any]:
             t0, t1 = all_t[0][:, 2 * k], all_t[0][:, 2 * k + 1]
         wall = (t1 - t0).tolist()
         cpu = (all_c[0][:, k] + all_c[1][:, k]).tolist()
-        out[name] = {"wall": [wall[i] for i in keep], "cpu": [cpu[i] for i in keep]}
+        out[name] = {"wall": [wall[i] for i in keep], "cpu": [cpu[i] for i in keep],
+                     "ranks": [[c[i, k].item() for i in keep] for c in all_c]}
     return out
 
 

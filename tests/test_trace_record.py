@@ -185,6 +185,23 @@ def test_tracing_off_enters_no_hook_and_allocates_nothing(
             _step(pipe, x)
 
 
+def test_an_untraced_untimed_computation_enters_one_shared_no_op() -> None:
+    """Every task of a step is wrapped in ``Tasks._computing``; with tracing off and no
+    ``schedule="auto"`` timer it hands back the one shared no-op (no generator context per
+    task), and under ``record()`` a context that records the span."""
+    from seqpipe.core.tasks import Tasks
+    from seqpipe.schedule import Phase
+
+    tasks = Tasks()
+    assert tasks._computing(Phase.FORWARD, 0, 1) is hooks.OFF
+    assert tasks._computing(Phase.BACKWARD, 1, 0, EventKind.LOSS) is hooks.OFF
+    with seqpipe.trace.record() as rec:
+        with tasks._computing(Phase.FORWARD, 0, 1):
+            pass
+    assert [(e.kind, e.stage, e.microbatch) for e in rec.recording.events] == \
+        [(EventKind.FORWARD, 0, 1)]
+
+
 def test_torch_profiler_shows_the_pipeline_actions() -> None:
     pipe = Pipe(_model(), chunks=2, checkpoint="never", balance=[3, 3], devices=["cpu"] * 2)
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)

@@ -728,3 +728,26 @@ def test_on_cuda_headers_are_pinned_and_read_back_through_a_side_stream() -> Non
     words = transport._arrival(_Posted(None, spec, buffer, DoneWork()))  # type: ignore[arg-type]
     assert words == header.tolist()
     assert torch.equal(wire.unpack(buffer, HEADER_BYTES, spec)[0], payload)
+
+
+def test_a_header_reads_back_word_for_word_and_decodes() -> None:
+    """The header of a message as the receiver reads it (``read_header`` on the received
+    bytes): every word back, negative ones and the zero padding included, and ``decode``
+    gives back what ``encode`` was told, values of every kind too."""
+    tensors = [torch.randn(3, 5), None, torch.zeros(2, dtype=torch.int64)]
+    values = ((1, None), (3, True), (4, -(2 ** 63)), (5, -0.25), (6, "déjà"))
+    header = wire.encode(wire.Kind.SKIP, 7, -1, 9, False, True, tensors, [True, False, False],
+                         origin=-1, values=values)
+    assert header.dtype == torch.int64 and header.shape == (HEADER_SLOTS,)
+    size = HEADER_BYTES + wire.nbytes(wire.spec_of(tensors))
+    words = wire.read_header(wire.pack(header, [t for t in tensors if t is not None], size,
+                                       torch.device("cpu")))
+    assert words == header.tolist()
+    kind, microbatch, key, count, atomic, reshaped, origin, specs, got = wire.decode(words)
+    assert (kind, microbatch, key, count, atomic, reshaped, origin) == \
+        (wire.Kind.SKIP, 7, -1, 9, False, True, -1)
+    assert specs == [(torch.float32, True, (3, 5)), None, (torch.int64, False, (2,))]
+    assert got == values
+    text = wire.read_header(wire.pack(wire.encode_text(wire.Kind.ABORT, "stage 1 failed"), [],
+                                      HEADER_BYTES, torch.device("cpu")))
+    assert wire.decode_text(text) == "stage 1 failed"

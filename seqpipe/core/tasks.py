@@ -48,6 +48,12 @@ LossFn = Callable[[Any, Any], Tensor]
 Optionals = Tuple[Optional[Tensor], ...]
 
 
+@contextmanager
+def _both(first: ContextManager[None], second: ContextManager[None]) -> Iterator[None]:
+    with first, second:
+        yield
+
+
 def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
                     weight: float) -> Tensor:
     """Micro-batch ``i``'s loss, times its ``weight``; checks what ``loss_fn`` returns."""
@@ -123,13 +129,16 @@ class Tasks:
         """Around each stage computation (``schedule="auto"`` measures them)."""
         return nullcontext()
 
-    @contextmanager
     def _computing(self, phase: Phase, s: int, i: int,
-                   kind: Optional[EventKind] = None) -> Iterator[None]:
+                   kind: Optional[EventKind] = None) -> ContextManager[None]:
         """Around one computation of ``phase`` on stage ``s``: its traced span (``kind``,
-        by default the phase's own) and its timing for ``schedule="auto"``."""
-        with hooks.span(kind or KIND_OF_PHASE[phase], s, i), self._timed(phase, s, i):
-            yield
+        by default the phase's own) and its timing for ``schedule="auto"``; nothing to
+        enter (one shared no-op) while neither is on, the usual case."""
+        span = hooks.span(kind or KIND_OF_PHASE[phase], s, i)
+        timed = self._timed(phase, s, i)
+        if isinstance(span, nullcontext) and isinstance(timed, nullcontext):
+            return span
+        return _both(span, timed)
 
     def rng_seed(self, s: int, i: int) -> Optional[int]:
         """The seed of the task's private random streams (``None``: the global ones)."""

@@ -72,6 +72,7 @@ from seqpipe.distributed.wire import (
     encode_text,
     nbytes,
     pack,
+    read_header,
     spec_of,
     unpack,
 )
@@ -308,7 +309,7 @@ class Transport:
         """
         if self._side is None or self._arrived is None:  # the buffer is host memory
             self._wait(posted.work)
-            return posted.buffer[:HEADER_BYTES].view(torch.int64).tolist()
+            return read_header(posted.buffer)
         host = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(self._side):
             self._wait(posted.work)  # makes the side stream, not the host, wait
@@ -316,7 +317,7 @@ class Transport:
             self._arrived.record(self._side)
         self._arrived.synchronize()
         torch.cuda.current_stream(self.device).wait_event(self._arrived)
-        return host.view(torch.int64).tolist()
+        return read_header(host)
 
     # -- releasing sends ---------------------------------------------------------------
     def _release(self, dst: int, before: int) -> None:
