@@ -23,6 +23,7 @@ from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import LossFn
 from seqpipe.graph.origin import Origin, model_output
+from seqpipe.local.direct import run_direct, runs_direct
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -250,7 +251,16 @@ class Pipe(nn.Module):
             return self._run_step(step)
         given = Input.of(input)
         batch = given.batch
-        sink = self._pipeline.open_sink() if torch.is_grad_enabled() else None
+        pipeline = self._pipeline
+        if len(pipeline.stages) == 1:  # one micro-batch: maybe the plain model's graph
+            grad = torch.is_grad_enabled() and (
+                any(t.requires_grad for t in batch.tensors)
+                or any(p.requires_grad for p in self.parameters()))
+            stop = checkpoint_stop(self.checkpoint if self.training and grad else "never", 1)
+            if runs_direct(pipeline.stages, given, self.chunks, stop, pipeline.isolate_rng):
+                shape, outputs = run_direct(pipeline.stages[0], given, grad)
+                return shape.like(outputs).value
+        sink = pipeline.open_sink() if torch.is_grad_enabled() else None
         grad = sink is not None and (
             bool(sink.params) or any(t.requires_grad for t in batch.tensors))
         call = _Call(self, given, sink, grad)
