@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, mesh_groups
@@ -140,21 +139,16 @@ class _ToDTensor(nn.Module):
 
 def _refused(rank: int, failures: Failures) -> None:
     """What is not supported yet raises, naming it, on the rank that has it."""
-    for case in ("tensor parallel", "hsdp", "dtensor activation"):
+    for case in ("hsdp", "dtensor activation"):
         # fresh groups per case: a failed call leaves its pipeline's groups unusable
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         pp, _ = mesh_groups(mesh)
         pipe = DistributedPipe(_model(), chunks=2, balance=[4, 4], group=pp)
-        if case == "tensor parallel":
-            for stage in pipe.stage_modules:  # its first Linear split over the dp ranks
-                first = next(m for m in stage.modules() if isinstance(m, nn.Linear))
-                parallelize_module(first, mesh["dp"], ColwiseParallel())
-            expected: Any = (NotImplementedError, "does not train tensor-parallel stages")
-        elif case == "hsdp":
+        if case == "hsdp":
             hybrid = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "rep", "shard"))
             for stage in pipe.stage_modules:
                 fully_shard(stage, mesh=hybrid["rep", "shard"])
-            expected = (NotImplementedError, "fully_shard on a 1-D mesh only")
+            expected: Any = (NotImplementedError, "fully_shard on a 1-D mesh only")
         else:  # stage 0 sends a DTensor activation to stage 1
             pipe.stage_modules[0].append(_ToDTensor(mesh["dp"]))
             expected = ((TypeError, "would send a DTensor") if pipe.is_first
@@ -174,7 +168,7 @@ def test_fsdp_stages() -> None:
     reshard_after_forward, with and without checkpointing, three AdamW steps: the gradients
     of every step and the parameters after it equal the single-process model's, reduced
     once per parameter group and step (not per micro-batch). And what
-    is not supported yet raises, naming it, instead of training silently wrong: a
-    tensor-parallel stage, HSDP, a DTensor activation sent across a stage boundary (the
+    is not supported yet raises, naming it, instead of training silently wrong: HSDP, a
+    DTensor activation sent across a stage boundary (the
     sender's own TypeError; its peer hears that stage 0 failed)."""
     run_workers(_worker, 4, timeout=300)

@@ -117,7 +117,8 @@ class SplitBackward:
         if self.wrt_input is None or self.input_node is None or not self.roots:
             return
         reaches = _walk([r.node for r in self.roots], self.input_node)
-        path = {node for node, reached in reaches.items() if reached}
+        # a dict, not a set: it iterates in the walk's order, the same on every replica
+        path = {node: None for node, reached in reaches.items() if reached}
         # A node off the path with several parents (a parameter used twice, say) could be
         # reached from one boundary node through another, which would then run part of
         # the input path again. Rare; then W runs the whole backward again into the
@@ -168,13 +169,14 @@ class SplitBackward:
         Each boundary node runs again from the gradients it got in ``input``, asked only
         for the leaves behind its edges off the input path, so it computes those edges
         alone and nothing of the input path runs twice. (A hook on the boundary node's
-        output tensor, rare inside a stage, therefore runs in both halves.)
+        output tensor, rare inside a stage, therefore runs in both halves.) The boundary
+        nodes run in a fixed order: the one whose parameters come last in ``wrt`` first.
         """
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and wrt:
                 torch.autograd.backward(self.roots, self.grads, inputs=autograd_inputs(list(wrt)))
             return
-        wanted = {id(t) for t in wrt}
+        order = {id(t): n for n, t in enumerate(wrt)}
         captured, self.captured = self.captured, {}
         leaves, self.leaves = self.leaves, {}
         work = [([root], [grad], behind) for root, grad, behind in self.off_path]
@@ -184,7 +186,15 @@ class SplitBackward:
             if incoming is not None:
                 work.append(([GradientEdge(node, k) for k, g in enumerate(incoming)
                               if g is not None], [g for g in incoming if g is not None], behind))
+        runs: List[Tuple[int, List[GradientEdge], List[Tensor], List[Tensor]]] = []
         for outs, grads, behind in work:
-            targets = [t for t in behind if id(t) in wanted]
+            targets = sorted((t for t in behind if id(t) in order), key=lambda t: order[id(t)])
             if outs and targets:
-                torch.autograd.backward(outs, grads, inputs=autograd_inputs(targets))
+                runs.append((order[id(targets[-1])], outs, grads, targets))
+        # In a fixed order, the same on every replica (not the nodes' addresses): the
+        # parameters registered last first, the order a plain backward produces them in
+        # (and a reducer's buckets follow), so that post-accumulate hooks that issue
+        # per-layer collectives issue them in the same order on every replica.
+        runs.sort(key=lambda run: -run[0])
+        for _, outs, grads, targets in runs:
+            torch.autograd.backward(outs, grads, inputs=autograd_inputs(targets))

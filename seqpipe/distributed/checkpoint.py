@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from seqpipe.distributed.fsdp import _is_dtensor
 from seqpipe.distributed.pipe import DistributedPipe
 from seqpipe.distributed.ties import canonical_names
 
@@ -66,6 +67,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 #: The state-dict options every helper here uses (flattened optimizer state: one
 #: parameter's state and hyperparameters under keys that start with its name).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+#: Full tensors on every rank, for ``gather_full_state_dict`` of sharded stages.
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=False)
 
 _MODEL = "model"
 _OPTIM = "optim"
@@ -275,7 +279,9 @@ _WIRE_DTYPES: Tuple[torch.dtype, ...] = (
 def gather_full_state_dict(pipe: DistributedPipe, dst: int = 0) -> Optional[Dict[str, Tensor]]:
     """The whole model's state dict on stage ``dst``; ``None`` on the other stages.
 
-    Collective over ``pipe.group``: every stage calls it (between training steps). Keys
+    Collective over ``pipe.group``: every stage calls it (between training steps); with
+    stages sharded by FSDP2 (``DTensor`` entries), over their meshes too: every shard
+    calls it, and DCP's ``get_model_state_dict`` gathers each stage's full tensors. Keys
     and their order are those of the unpipelined ``nn.Sequential``'s ``state_dict()``;
     the values are CPU copies (they do not alias the live parameters), ready for
     ``torch.save`` and for ``nn.Sequential.load_state_dict``. With data-parallel
@@ -298,6 +304,9 @@ def gather_full_state_dict(pipe: DistributedPipe, dst: int = 0) -> Optional[Dict
         raise ValueError(f"dst={dst} is not a stage of this {k}-stage pipeline "
                          f"(give a stage index, 0 to {k - 1})")
     local = pipe.state_dict()
+    if any(_is_dtensor(value) for value in local.values()):  # sharded stages: DCP's helper
+        full = get_model_state_dict(pipe, options=_FULL)  # gathers over their meshes
+        local = {name: full[name] for name in local}
     problem = ""
     for name, value in local.items():
         if not isinstance(value, Tensor):

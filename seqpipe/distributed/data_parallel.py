@@ -23,13 +23,18 @@ a parameter after construction rebuilds the buckets. The buckets are a function 
 model's parameters and their ``requires_grad``, so replicas that freeze the same
 parameters build the same buckets without talking to each other.
 
+What users tune in DDP is tunable here too: the bucket size (``bucket_cap_mb``), a
+``reduce_dtype`` the buckets are reduced in (bf16 gradients averaged in fp32, or fp32 ones
+sent as bf16), cast back to the parameters' dtype before they are written back, and a
+communication hook with DDP's contract (``seqpipe.distributed.comm_hook``).
+
 DDP itself is not used because its reducer expects one forward then one backward per
 call, while a 1F1B stage interleaves the forwards and backwards of many micro-batches.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,24 +44,46 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from seqpipe.core.loss_weights import Replicas
 from seqpipe.core.sink import step_aware
 from seqpipe.distributed import verdict
+from seqpipe.distributed.comm_hook import CommHook, GradBucket, HookWork
+from seqpipe.distributed.tensor_parallel import as_grad, local
 from seqpipe.distributed.transport import PeerError
 
-__all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group"]
+__all__ = ["GradientReducer", "broadcast_buffers", "check_data_parallel_group",
+           "reducer_options"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def reducer_options(bucket_cap_mb: Optional[float],
+                    reduce_dtype: Optional[torch.dtype]) -> Tuple[int, Optional[torch.dtype]]:
+    """``(bucket_bytes, reduce_dtype)`` from ``DistributedPipe``'s arguments, checked:
+    ``bucket_cap_mb`` (MiB, DDP's name; default 25) must be positive, ``reduce_dtype`` a
+    floating-point dtype."""
+    if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, (int, float))
+                                          and bucket_cap_mb > 0):
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB (DDP's default "
+                         f"is 25), not {bucket_cap_mb!r}")
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype)
+                                         and reduce_dtype.is_floating_point):
+        raise ValueError(f"reduce_dtype must be a floating-point torch.dtype (e.g. "
+                         f"torch.bfloat16 or torch.float32), not {reduce_dtype!r}")
+    bucket_bytes = (DEFAULT_BUCKET_BYTES if bucket_cap_mb is None
+                    else max(1, int(bucket_cap_mb * 2**20)))
+    return bucket_bytes, reduce_dtype
 
 
 def make_buckets(params: Sequence[nn.Parameter],
                  bucket_bytes: int) -> List[List[nn.Parameter]]:
     """Group ``params`` in reverse order into buckets of about ``bucket_bytes``, one dtype
-    and device per bucket (a bucket is reduced as one flat tensor)."""
+    and device per bucket (a bucket is reduced as one flat tensor; a tensor-parallel
+    parameter counts, and is reduced, by its local shard)."""
     buckets: List[List[nn.Parameter]] = []
     open_: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
     size: Dict[Tuple[torch.dtype, torch.device], int] = {}
     for param in reversed(params):
         key = (param.dtype, param.device)
         open_.setdefault(key, []).append(param)
-        size[key] = size.get(key, 0) + param.numel() * param.element_size()
+        size[key] = size.get(key, 0) + local(param).numel() * param.element_size()
         if size[key] >= bucket_bytes:
             buckets.append(open_.pop(key))
             size[key] = 0
@@ -69,21 +96,25 @@ class GradientReducer:
     stage's last backward of each step."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.group = group
         self.device = device  # where the step's verdict is reduced
         self.replica = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.bucket_bytes = bucket_bytes
+        self.reduce_dtype = reduce_dtype  # None: each bucket in its parameters' dtype
+        self.hook: Optional[Tuple[Any, CommHook]] = None  # (state, hook)
+        self.used: List[Tensor] = []  # with a hook: each started bucket's used flags
         self.params: List[nn.Parameter] = []
         self.buckets: List[List[nn.Parameter]] = []
         self.bucket_of: Dict[int, int] = {}  # id(parameter) -> its bucket
         self._hooked: Set[int] = set()
         self.armed = False
         self.ready: List[Set[int]] = []
-        # Started buckets, in bucket order: the work, the flat buffer, and whether some
-        # parameter of the bucket had no gradient here.
-        self.works: List[Tuple[dist.Work, Tensor, bool]] = []
+        # Started buckets, in bucket order: the work (a HookWork with a hook), the flat
+        # buffer, and whether some parameter of the bucket had no gradient here.
+        self.works: List[Tuple[Any, Tensor, bool]] = []
         self.concluded = False  # this step's verdict started: the replicas hear no more
         self.counting = False  # this step sums a count over the replicas, not done yet
 
@@ -112,11 +143,21 @@ class GradientReducer:
                 param.register_post_accumulate_grad_hook(_weak_hook(self))
                 self._hooked.add(id(param))
 
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` (see ``comm_hook``), once."""
+        if self.hook is not None:
+            raise RuntimeError("register_comm_hook was already called on this pipe; a "
+                               "communication hook can be registered only once (as with DDP)")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), not "
+                            f"{type(hook).__name__}")
+        self.hook = (state, hook)
+
     def arm(self) -> None:
         """The next backward is the stage's last of the mini-batch: reduce as grads land."""
         self.armed = True
         self.ready = [set() for _ in self.buckets]
-        self.works = []
+        self.works, self.used = [], []
 
     def _on_grad(self, param: Tensor) -> None:
         if not self.armed:
@@ -137,15 +178,32 @@ class GradientReducer:
         assert b == len(self.works), "buckets must start in order on every replica"
         bucket = self.buckets[b]
         missing = [p.grad is None for p in bucket]
-        grads = [torch.zeros_like(p) if m else p.grad for p, m in zip(bucket, missing)]
+        grads = [torch.zeros_like(local(p)) if m else local(p.grad)
+                 for p, m in zip(bucket, missing)]
         if any(missing):
             used = torch.tensor([not m for m in missing], dtype=bucket[0].dtype,
                                 device=bucket[0].device)
         else:  # the common case, without a host-to-device copy
             used = torch.ones(len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-        flat = _flatten_dense_tensors([*grads, used])
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        dtype = self.reduce_dtype or bucket[0].dtype
+        if self.hook is None:  # the flags travel with the gradients
+            flat = _flatten_dense_tensors([*grads, used]).to(dtype)
+            work: Any = dist.all_reduce(flat, group=self.group, async_op=True)
+        else:  # the hook sees the gradients alone; the flags go in one all-reduce later
+            flat = _flatten_dense_tensors(grads).to(dtype)
+            self.used.append(used.to(torch.float32))
+            state, hook = self.hook
+            work = HookWork(hook(state, GradBucket(b, flat, bucket,
+                                                   b == len(self.buckets) - 1)), hook)
         self.works.append((work, flat, any(missing)))
+
+    def _start_flags(self) -> Optional[Tuple[dist.Work, Tensor]]:
+        """With a hook, after every bucket: which replicas used each parameter."""
+        if self.hook is None:
+            return None
+        flags = (torch.cat(self.used) if self.used
+                 else torch.zeros(0, dtype=torch.float32, device=self.device))
+        return dist.all_reduce(flags, group=self.group, async_op=True), flags
 
     def finish(self, where: str) -> None:
         """Start the buckets still waiting (whose parameters did not all get a gradient in
@@ -154,12 +212,15 @@ class GradientReducer:
         naming it; ``where`` names this rank in the message."""
         for b in range(len(self.works), len(self.buckets)):
             self._start(b)
+        flags = self._start_flags()
         self.armed = False
         self.concluded = True
         try:
             news = verdict.Verdict(self.group, self.device)
             for work, _, _ in self.works:
                 work.wait()
+            if flags is not None:
+                flags[0].wait()
             failures = news.failures()
         except RuntimeError as exc:
             raise PeerError(f"{where} lost a replica while averaging gradients over the "
@@ -169,20 +230,28 @@ class GradientReducer:
                 f"\n  {where} was at the end of the step, averaging gradients over the "
                 f"data-parallel group, and heard it from replica "
                 f"{', '.join(str(r) for r, _ in failures)}"))
-        for bucket, (_, flat, missing) in zip(self.buckets, self.works):
-            *synced, used = _unflatten_dense_tensors(flat, [*bucket, flat[:len(bucket)]])
-            # Whether any replica had each gradient: only asked (a device-to-host copy)
-            # when this replica lacked one; otherwise this replica had them all.
-            users = used.tolist() if missing else [1] * len(bucket)
+        counts = flags[1].tolist() if flags is not None else []
+        for bucket, (work, flat, missing) in zip(self.buckets, self.works):
+            shapes = [local(p) for p in bucket]  # a tensor-parallel one: its local shard
+            if flags is None:
+                *synced, used = _unflatten_dense_tensors(flat, [*shapes, flat[:len(bucket)]])
+                # Whether any replica had each gradient: only asked (a device-to-host
+                # copy) when this replica lacked one; otherwise this replica had them all.
+                users = used.tolist() if missing else [1] * len(bucket)
+            else:  # the hook's result is the average already
+                synced = _unflatten_dense_tensors(work.result(flat), shapes)
+                users, counts = counts[:len(bucket)], counts[len(bucket):]
             for param, grad, count in zip(bucket, synced, users):
                 if not count:  # no replica had a gradient: leave it None, as DDP does
                     continue
-                grad.div_(self.size)
-                if param.grad is None:
-                    param.grad = grad.clone()  # its own tensor, not a view of the bucket
+                grad = grad.to(param.dtype)  # back from reduce_dtype (a view if it is)
+                if flags is None:
+                    grad.div_(self.size)
+                if param.grad is None:  # its own tensor, not a view of the bucket
+                    param.grad = as_grad(param, grad.clone())
                 else:
-                    param.grad.copy_(grad)
-        self.works = []
+                    local(param.grad).copy_(grad)
+        self.works, self.used = [], []
 
     def concede(self, text: str) -> None:
         """This replica failed in this step (``text`` says where): join the all-reduces
@@ -201,10 +270,13 @@ class GradientReducer:
             for b in range(len(self.works), len(self.buckets)):
                 self._start(b)
             started += [(work, flat) for work, flat, _ in self.works]
+            flags = self._start_flags()
+            if flags is not None:
+                started.append(flags)
             verdict.concede(text, started, self.group, self.device)
         except RuntimeError:  # the group itself failed: nobody to tell on it
             pass
-        self.works = []
+        self.works, self.used = [], []
 
 
 def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup) -> None:

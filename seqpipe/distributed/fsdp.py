@@ -23,19 +23,20 @@ runtime drives FSDP2 itself over a ``train_step``:
 
 So gradients are reduced once per step, averaged over the FSDP mesh, whatever the schedule
 and whichever ``reshard_after_forward`` the user chose; no ``GradSink`` aliases the stage's
-parameters (their hooks would never see the unsharded leaves). What is not supported yet is
-refused by ``check_supported`` with the limitation named: tensor parallelism and HSDP (a
-parameter ``DTensor`` on a mesh of more than one dimension, or not managed by FSDP), weights
-tied across ranks, ``schedule="auto"``, ``PipeGradScaler`` and ``count_fn``.
+parameters (their hooks would never see the unsharded leaves). FSDP2 over tensor-parallel
+``DTensor`` parameters needs nothing more (``seqpipe.distributed.tensor_parallel``). What is
+not supported yet is refused by ``ShardedStep.check`` with the limitation named: HSDP (FSDP2
+on a mesh of more than one dimension), weights tied across ranks, ``schedule="auto"``,
+``PipeGradScaler`` and ``count_fn``.
 """
 from __future__ import annotations
 
 import functools
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Set
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from seqpipe.core.stage import Stage
 from seqpipe.schedule import Action, Phase
@@ -43,7 +44,7 @@ from seqpipe.schedule import Action, Phase
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["ShardedStage", "ShardedStep", "plain_parameters", "refuse_dtensors"]
+__all__ = ["ShardedStage", "ShardedStep"]
 
 
 def _instance(value: object, module: str, name: str) -> bool:
@@ -59,43 +60,22 @@ def _is_dtensor(value: object) -> bool:
     return _instance(value, "torch.distributed.tensor", "DTensor")
 
 
-def plain_parameters(params: Sequence[nn.Parameter]) -> List[nn.Parameter]:
-    """``params`` but the ``DTensor`` ones (FSDP2's sharded parameters): what seqpipe's own
-    data-parallel reducer may average (FSDP2 reduces the others itself)."""
-    return [p for p in params if not _is_dtensor(p)]
-
-
-def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
-    """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
-    ``what``, is a ``DTensor``: the wire carries plain tensors only, so far."""
-    for tensor in tensors:
-        if _is_dtensor(tensor):
-            raise TypeError(
-                f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
-                f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
-                f"DTensors between stages yet (issue 25): make the stage's output a plain "
-                f"tensor (dtensor.full_tensor(), or .to_local() for the local shard)")
-
-
-def check_parameters(stage: Stage, managed: Set[int]) -> None:
-    """Refuse, naming the limitation, a parameter ``DTensor`` of ``stage`` that this runtime
-    would train wrong: one FSDP2 does not manage (``managed``: the ids of those it does),
-    or one on a mesh of more than one dimension."""
-    for name, param in stage.partition.named_parameters():
-        if not _is_dtensor(param):
-            continue
-        if id(param) not in managed:
-            raise NotImplementedError(
-                f"stage {stage.index}: parameter {name!r} is a DTensor that FSDP2 does not "
-                f"manage (tensor parallelism: parallelize_module); DistributedPipe does not "
-                f"train tensor-parallel stages yet (issue 25): shard the stage with "
-                f"fully_shard on a 1-D mesh only")
-        if param.device_mesh.ndim > 1:
-            raise NotImplementedError(
-                f"stage {stage.index}: parameter {name!r} is sharded on a "
-                f"{param.device_mesh.ndim}-D mesh {param.device_mesh.mesh_dim_names} (HSDP, "
-                f"or FSDP over tensor parallelism); DistributedPipe supports fully_shard on a "
-                f"1-D mesh only yet (issue 25)")
+def check_parameters(stage: ShardedStage) -> None:
+    """Refuse, naming the limitation, a parameter of ``stage`` that FSDP2 shards on a mesh
+    of more than one dimension (HSDP), which this runtime does not drive yet. (A parameter
+    FSDP2 does not manage may be tensor-parallel: ``seqpipe.distributed.tensor_parallel``;
+    one FSDP2 shards over tensor parallelism is on a 1-D FSDP mesh and trains exactly.)"""
+    names = {id(p): name for name, p in stage.stage.partition.named_parameters()}
+    for group in stage._groups():
+        for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
+            data_mesh = fsdp_param.mesh_info.mesh
+            if data_mesh.ndim > 1:
+                name = names.get(id(fsdp_param.sharded_param))
+                raise NotImplementedError(
+                    f"stage {stage.stage.index}: parameter {name!r} is "
+                    f"sharded with FSDP2 on a {data_mesh.ndim}-D mesh "
+                    f"{data_mesh.mesh_dim_names} (HSDP); DistributedPipe supports fully_shard "
+                    f"on a 1-D mesh only yet (issue 25)")
 
 
 def _groups(states: List[object]) -> Iterator[object]:
@@ -106,15 +86,18 @@ def _groups(states: List[object]) -> Iterator[object]:
 def unsharded_leaves(states: List[object], stage: Stage) -> List[Tensor]:
     """The leaves autograd recorded for ``stage``'s parameters: FSDP2's unsharded
     parameters of ``states`` (once a forward has created them), and the trainable
-    parameters FSDP2 does not manage."""
+    parameters FSDP2 does not manage (plain, or tensor-parallel ``DTensor``s)."""
     seen: Dict[int, Tensor] = {}
+    managed: Set[int] = set()
     for group in _groups(states):
         for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
+            managed.add(id(fsdp_param.sharded_param))
             leaf = getattr(fsdp_param, "_unsharded_param", None)
             if leaf is not None and leaf.requires_grad:
                 seen.setdefault(id(leaf), leaf)
-    for param in plain_parameters(stage.parameters()):
-        seen.setdefault(id(param), param)
+    for param in stage.parameters():
+        if id(param) not in managed:
+            seen.setdefault(id(param), param)
     return list(seen.values())
 
 
@@ -183,11 +166,18 @@ class ShardedStep:
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
 
+    def managed(self) -> Dict[int, int]:
+        """The parameters FSDP2 manages on this rank (it reduces them itself): by id, the
+        number of dimensions of the mesh it shards each on (a parameter ``DTensor`` with
+        more is also split with tensor parallelism: FSDP over TP)."""
+        return {id(fp.sharded_param): fp.mesh_info.mesh.ndim
+                for sharded in self.stages.values() for group in sharded._groups()
+                for fp in group.fsdp_params}  # type: ignore[attr-defined]
+
     def check(self, *, auto: bool, scaled: bool, tied: bool, counted: bool) -> None:
         """Refuse what is not supported with sharded stages yet, naming it."""
-        for s, stage in self.all.items():
-            sharded = self.stages.get(s)
-            check_parameters(stage, sharded.managed() if sharded is not None else set())
+        for sharded in self.stages.values():
+            check_parameters(sharded)
         if not self.stages:
             return
         stages = sorted(self.stages)

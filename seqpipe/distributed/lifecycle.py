@@ -27,11 +27,12 @@ from seqpipe.core.checkpoint import checkpoint_stop
 from seqpipe.core.loss_weights import CountFn, LossWeights, loss_weights
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.stage import Stage
+from seqpipe.distributed import tensor_parallel
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.agreement import call_kind, check_same_call, opened
 from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
-from seqpipe.distributed.fsdp import ShardedStep, plain_parameters
+from seqpipe.distributed.fsdp import ShardedStep
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
 from seqpipe.distributed.step import Call, LossFn, describe
 from seqpipe.distributed.tie_grads import TieGrads
@@ -228,30 +229,24 @@ class CallLifecycle:
                 self.tied.put_back()
             raise
 
-    def _trainable(self) -> List[nn.Parameter]:
-        """The trainable parameters of this rank's stages that the data-parallel reducer
-        averages (not FSDP2's: it reduces them itself), each once, in model order."""
-        seen: Dict[int, nn.Parameter] = {}
-        for stage in self.stages.values():
-            for param in plain_parameters(stage.parameters()):
-                seen.setdefault(id(param), param)
-        return list(seen.values())
-
     def _train_step(self, call: Call, input: Optional[TensorOrTensors], target: Any,
                     loss_fn: LossFn, chunks: int, checkpoint: str,
                     count_fn: Optional[CountFn]) -> Tensor:
         weights = LossWeights([], [])
         targets: Optional[List[Any]] = None
         sharded = ShardedStep(self.stages)  # stages the user wrapped with fully_shard
+        managed = sharded.managed()  # FSDP2 reduces these itself
         with call.guard("start of the step"):
             if self.reducer is not None:
-                self.reducer.follow(self._trainable(),  # requires_grad as of now
+                self.reducer.follow(tensor_parallel.reducible(self.stages.values(), managed),
                                     counting=self.is_last and count_fn is not None)
             if self.tied is not None:
                 self.tied.set_aside()  # sum only what this step adds, of what is trained now
             batches, actions = self.open(call, input, chunks)
             sharded.check(auto=self.auto is not None, scaled=call.seed is not None,
                           tied=self.tied is not None, counted=count_fn is not None)
+            tensor_parallel.check(self.stages, managed, auto=self.auto is not None,
+                                  scaled=call.seed is not None, tied=self.tied is not None)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
                 replicas = None if self.reducer is None else self.reducer.replicas(self.device)

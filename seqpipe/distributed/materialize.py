@@ -4,10 +4,14 @@ A model too big for one device is built on ``meta`` and each rank materialises o
 stage. Only layers that are on ``meta`` are initialised: a layer with real weights (a model
 built normally, or one already materialised by an earlier pipe over the same model) is moved,
 never re-initialised. A layer holding both real and ``meta`` tensors is refused, since
-initialising it would overwrite its real part.
+initialising it would overwrite its real part. A layer sharded on ``meta`` (``DTensor``
+parameters: ``fully_shard`` or ``parallelize_module`` before the pipe) is initialised whole
+with ``base_seed`` and keeps this rank's shards (``seqpipe.distributed.sharded_init``), so it
+gets the seeded plain model's values; without, DTensor's own random ops initialise it.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -15,6 +19,7 @@ import torch
 from torch import nn
 
 from seqpipe.core.seeding import init_layer, reset_layer, uninitialisable
+from seqpipe.distributed.sharded_init import has_dtensors, init_through_full
 
 __all__ = ["materialize"]
 
@@ -42,9 +47,12 @@ def materialize(layers: Sequence[Layer], device: torch.device,
                 f"meta device and others with real values; build it wholly on meta (to be "
                 f"initialised here) or wholly real")
         uncovered += [f"{name}.{tensor}" for tensor in uninitialisable(layer)]
-        if base_seed is None:
+        if base_seed is None:  # DTensors (sharded on meta) draw through DTensor's RNG
             layer.to_empty(device=device)
             reset_layer(layer)
+        elif has_dtensors(layer):  # sharded on meta: drawn whole, this rank keeps its shards
+            layer.to_empty(device=device)
+            init_through_full(layer, functools.partial(init_layer, seed=base_seed + index))
         else:  # on the CPU, so the values do not depend on the device type
             layer.to_empty(device="cpu")
             init_layer(layer, base_seed + index)

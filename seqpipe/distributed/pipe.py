@@ -18,7 +18,12 @@ from seqpipe.core.partition import check_balance, check_devices, verify_module
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.agreement import check_same_model
 from seqpipe.distributed.auto import AutoRunner
-from seqpipe.distributed.data_parallel import GradientReducer, check_data_parallel_group
+from seqpipe.distributed.comm_hook import CommHook
+from seqpipe.distributed.data_parallel import (
+    GradientReducer,
+    check_data_parallel_group,
+    reducer_options,
+)
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.lifecycle import CallLifecycle
 from seqpipe.distributed.materialize import materialize
@@ -91,6 +96,13 @@ class DistributedPipe(nn.Module):
         broadcast_buffers: with ``data_parallel_group``, copy the stage's buffers (say,
             BatchNorm running statistics) from the group's first rank to the others at
             the end of every ``train_step``, as DDP's argument of that name does.
+        bucket_cap_mb: with ``data_parallel_group``, the size of the buckets the gradients
+            are averaged in, in MiB (DDP's argument; default 25): smaller buckets start
+            sooner during the last backward, and are more collectives.
+        reduce_dtype: with ``data_parallel_group``, average the gradients in this dtype
+            (``torch.float32`` for bf16 parameters, or ``torch.bfloat16`` to send fp32
+            gradients at half the bytes), cast back to each parameter's dtype; default:
+            the parameters' own. See also ``register_comm_hook``.
     """
 
     def __init__(self, module: nn.Sequential, chunks: int = 1, *,
@@ -100,7 +112,9 @@ class DistributedPipe(nn.Module):
                  device: Union[str, torch.device, None] = None,
                  data_parallel_group: Optional[dist.ProcessGroup] = None,
                  broadcast_buffers: bool = True, base_seed: Optional[int] = None,
-                 checkpoint_every: Optional[int] = None) -> None:
+                 checkpoint_every: Optional[int] = None,
+                 bucket_cap_mb: Optional[float] = None,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         verify_module(module)
         if not dist.is_available() or not dist.is_initialized():
@@ -128,6 +142,13 @@ class DistributedPipe(nn.Module):
         check_devices([self.device], what="device")
         self.base_seed = base_seed
         self.broadcast_buffers = bool(broadcast_buffers)
+        if data_parallel_group is None and (bucket_cap_mb is not None
+                                            or reduce_dtype is not None):
+            raise ValueError("bucket_cap_mb and reduce_dtype tune the averaging of gradients "
+                             "over data_parallel_group: pass data_parallel_group too (for "
+                             "stages sharded with fully_shard, set FSDP2's own "
+                             "MixedPrecisionPolicy(reduce_dtype=...) instead)")
+        self._reducer_options = reducer_options(bucket_cap_mb, reduce_dtype)
         self.balance = self._resolve_balance(module, balance)
         validate_schedule(self.schedule, self.num_ranks, self.chunks)
         layout = inspect_skip_layout(module, self.balance)
@@ -175,7 +196,8 @@ class DistributedPipe(nn.Module):
         if data_parallel_group is not None:
             check_data_parallel_group(self.stage_index, fingerprint, data_parallel_group,
                                       self.device)
-            self._reducer = GradientReducer(data_parallel_group, self.device)
+            self._reducer = GradientReducer(data_parallel_group, self.device,
+                                            *self._reducer_options)
         self._tied: Optional[TiedCopies] = None
         if self.ties:
             self._tied = TiedCopies(self.ties, dict(self.named_parameters(remove_duplicate=False)),
@@ -213,6 +235,20 @@ class DistributedPipe(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         return [any(params[n].is_meta for n in tie.names if n in params) for tie in self.ties]
 
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Average the data-parallel buckets with ``hook(state, bucket)``, as
+        ``DistributedDataParallel.register_comm_hook`` does: called once per bucket per
+        ``train_step``, in bucket order, it returns a ``torch.futures.Future`` of the
+        bucket's gradients averaged over the replicas (DDP's hooks, e.g.
+        ``default_hooks.bf16_compress_hook`` with ``state=data_parallel_group``, work as
+        they are). Register it once, before training, on every replica alike (see
+        ``seqpipe.distributed.comm_hook``). ``RuntimeError`` without
+        ``data_parallel_group``, or if a hook is registered already."""
+        if self._reducer is None:
+            raise RuntimeError("register_comm_hook needs a data_parallel_group: the hook "
+                               "averages gradients over the replicas of this stage")
+        self._reducer.register_comm_hook(state, hook)
+
     def check_ties(self) -> None:
         """Debug check, collective over the pipeline: raise ``RuntimeError`` (on every rank)
         if the copies of a parameter tied across stages differ (one small all-gather of
@@ -240,7 +276,7 @@ class DistributedPipe(nn.Module):
                     else type(self.schedule).__qualname__)
         config = (self.balance, self.chunks, self.checkpoint, schedule,
                   self.placement.ranks, self.broadcast_buffers, [tie.names for tie in self.ties],
-                  self.base_seed)
+                  self.base_seed, self._reducer_options)
         return check_same_model(module, config, self.group, self.device,
                                 "stages" if self.num_ranks == self.num_stages else "ranks")
 

@@ -43,8 +43,8 @@ from seqpipe.core.tasks import LossFn, Tasks
 from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.auto import ActionTimer
-from seqpipe.distributed.fsdp import refuse_dtensors
 from seqpipe.distributed.plan import Planned
+from seqpipe.distributed.tensor_parallel import refuse_dtensors
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.distributed.values import check_values
 from seqpipe.schedule import Action, Phase, Placement

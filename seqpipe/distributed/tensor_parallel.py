@@ -1,0 +1,116 @@
+"""Stages split with tensor parallelism (``parallelize_module``): ``DTensor`` parameters.
+
+torchtitan's recipe, which ``DistributedPipe`` follows (docs/distributed.md, "Sharded
+stages"): build the pipeline, split the blocks of this rank's ``stage_modules`` with
+``parallelize_module`` on the mesh's tensor-parallel dimension (their parameters become
+``DTensor``s, sharded or replicated over it), optionally ``fully_shard`` them on the
+data-parallel dimension, and train. Such a stage needs nothing special from the runtime:
+the ranks of a tensor-parallel group each run their own pipeline (one per coordinate on
+the "tp" dimension) with the same schedule over the same micro-batches, so the
+collectives a ``DTensor`` layer issues in its forward, its recomputation and its
+backward (``I`` and ``W`` included) come in the same order on every rank of the group;
+autograd records the ``DTensor`` parameters, and their gradients accumulate in ``.grad``
+as ``DTensor``s, as without a pipeline.
+
+What this module adds:
+
+* seqpipe's own data-parallel reducer (``data_parallel_group``, pipeline × data × tensor
+  parallelism) averages a tensor-parallel parameter's **local shard** (``local``): every
+  replica of a stage holds the same shard, so averaging the shards averages the
+  parameter. It leaves out only what FSDP2 reduces itself (``reducible``).
+* ``check`` refuses, naming the limitation, what would go wrong because the ranks of a
+  tensor-parallel group are in different pipelines that agree on nothing but the
+  schedule yet: ``schedule="auto"`` (each pipeline would pick its own), a
+  ``PipeGradScaler`` (each would skip steps on its own shards' overflow) and weights
+  tied across ranks.
+* ``refuse_dtensors``: a ``DTensor`` activation or gradient does not cross a stage boundary
+  yet (the receiving rank would need its own mesh to rebuild it on); the sending stage
+  raises, naming the mend, rather than its peer failing on a garbled message.
+"""
+from __future__ import annotations
+
+from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from seqpipe.core.stage import Stage
+from seqpipe.distributed.fsdp import _is_dtensor
+
+__all__ = ["as_grad", "check", "local", "reducible", "refuse_dtensors"]
+
+
+def local(tensor: Tensor) -> Tensor:
+    """The local shard of a ``DTensor`` (sharing its storage: writing it writes the
+    ``DTensor``), or ``tensor`` itself."""
+    if not _is_dtensor(tensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def as_grad(param: Tensor, shard: Tensor) -> Tensor:
+    """``shard`` (a local gradient) as a gradient for ``param``: a ``DTensor`` laid out as
+    ``param`` if ``param`` is one, else ``shard`` itself."""
+    if not _is_dtensor(param):
+        return shard
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(shard, param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
+def reducible(stages: Iterable[Stage], managed: Collection[int]) -> List[nn.Parameter]:
+    """The trainable parameters of ``stages`` that seqpipe's data-parallel reducer
+    averages, each once, in model order: all but FSDP2's (``managed``: their ids), which
+    FSDP2 reduces itself; tensor-parallel ones included (their local shards)."""
+    seen: Dict[int, nn.Parameter] = {}
+    for stage in stages:
+        for param in stage.parameters():
+            if id(param) not in managed:
+                seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def _tensor_parallel(stage: Stage, managed: Mapping[int, int]) -> List[str]:
+    """The names of ``stage``'s parameters split with tensor parallelism: ``DTensor``s on
+    a mesh of more dimensions than FSDP2 shards them on (``managed``; none if it does
+    not manage them)."""
+    return [name for name, param in stage.partition.named_parameters()
+            if _is_dtensor(param) and param.device_mesh.ndim > managed.get(id(param), 0)]
+
+
+def check(stages: Mapping[int, Stage], managed: Mapping[int, int], *, auto: bool,
+          scaled: bool, tied: bool) -> None:
+    """Refuse, naming it, what ``DistributedPipe`` does not combine with tensor-parallel
+    stages (``_tensor_parallel``, FSDP2 over them included) yet; see the module
+    docstring. ``managed``: ``ShardedStep.managed()``."""
+    split = {s: names for s, stage in stages.items()
+             if (names := _tensor_parallel(stage, managed))}
+    if not split:
+        return
+    s, names = next(iter(split.items()))
+    for unsupported, what in ((auto, "schedule='auto' (each tensor-parallel rank's "
+                                     "pipeline would pick its own schedule)"),
+                              (scaled, "a PipeGradScaler (found_inf is not agreed over "
+                                       "the tensor-parallel ranks)"),
+                              (tied, "weights tied across ranks")):
+        if unsupported:
+            raise NotImplementedError(
+                f"stage {s} is split with tensor parallelism (parameter {names[0]!r} is a "
+                f"DTensor: parallelize_module), which DistributedPipe does not combine "
+                f"with {what} yet (issue 25); name a schedule, or do not split the stage")
+
+
+def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
+    """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
+    ``what``, is a ``DTensor``: the wire carries plain tensors only, so far. Raised on the
+    sending stage, as its own error (its peers hear that it failed)."""
+    for tensor in tensors:
+        if _is_dtensor(tensor):
+            raise TypeError(
+                f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
+                f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
+                f"DTensors between stages yet (issue 25): make the stage's output a plain "
+                f"tensor: use_local_output=True in the parallel style of the stage's last "
+                f"layer (ColwiseParallel's and RowwiseParallel's default, not "
+                f"SequenceParallel's), or dtensor.full_tensor() or .to_local() in the model")
