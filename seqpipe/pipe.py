@@ -23,7 +23,7 @@ from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import LossFn
 from seqpipe.graph.origin import Origin, model_output
-from seqpipe.local.direct import run_direct, runs_direct
+from seqpipe.local.direct import DOUBLE_BACKWARD, run_direct, runs_direct
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -54,9 +54,7 @@ class _PipeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         if torch.is_grad_enabled():  # autograd runs backward with grad on for create_graph
-            raise RuntimeError(
-                "Pipe does not support higher-order gradients (backward or autograd.grad "
-                "with create_graph=True); compute them on the unwrapped model")
+            raise RuntimeError(DOUBLE_BACKWARD)
         return (None, *ctx.call.backward(grads))
 
 

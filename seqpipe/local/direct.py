@@ -39,8 +39,9 @@ from seqpipe.core.stage import Stage, wants_grad
 from seqpipe.skip.tracker import StageSkipTracker
 from seqpipe.trace import hooks
 
-__all__ = ["runs_direct", "run_direct"]
+__all__ = ["DOUBLE_BACKWARD", "SECOND_BACKWARD", "runs_direct", "run_direct"]
 
+# What the engine and the direct call refuse, in the same words.
 SECOND_BACKWARD = ("this pipeline output was already backpropagated; its activations are "
                    "freed. Run the forward again (there is no retain_graph for a Pipe)")
 DOUBLE_BACKWARD = ("Pipe does not support higher-order gradients (backward or autograd.grad "
