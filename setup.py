@@ -11,7 +11,9 @@ setup(
     package_data={"seqpipe": ["py.typed"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.8", "typing-extensions>=4.6", "numpy"],  # numpy: torch warns without it
-    extras_require={"test": ["pytest>=7", "pytest-benchmark>=4", "numpy"]},
+    extras_require={"test": ["pytest>=7", "pytest-benchmark>=4", "numpy",
+                             # GPT-2 from a small config (tests/graph_models.py)
+                             "transformers==5.24.0"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -1,4 +1,5 @@
-"""Parameter hooks in a DistributedPipe fire once per train_step, with the step's gradient.
+"""Parameter hooks in a DistributedPipe fire once per train_step, with the step's gradient
+(a ``register_hook`` hook that returns a changed gradient changes all of it).
 
 As for ``Pipe`` and the unpipelined model: micro-batches add up where no hook sees them,
 and the stage's last backward hands the sum to the real parameters. "Optimizer step in
@@ -89,6 +90,31 @@ def _once_with_the_sum(rank: int, world: int) -> None:
             assert torch.allclose(seen[name][0], expected[name].grad, atol=1e-12), what
             assert torch.allclose(param.grad, expected[name].grad, atol=1e-12), what
             assert flowing[name] == 1, what
+    _changing_hooks()
+
+
+def _halve(model: nn.Module) -> None:
+    """A ``register_hook`` hook that changes the gradient flowing into each parameter."""
+    for param in model.parameters():
+        param.register_hook(lambda g: g * 0.5)
+
+
+def _changing_hooks() -> None:
+    """A ``register_hook`` hook that returns another gradient changes the step's whole
+    gradient, as in the unpipelined model; not the last micro-batch's share only (the
+    parameter of ``_UnlessSingle``, which that micro-batch skips under 1F1B, included)."""
+    reference = _model()
+    _halve(reference)
+    _reference_backward(reference, *_batch(0))
+    expected = dict(reference.named_parameters())
+    for schedule, checkpoint in MODES:
+        pipe = DistributedPipe(_model(), chunks=4, balance=BALANCE.get(schedule, [2, 3]),
+                               schedule=schedule, checkpoint=checkpoint)
+        _halve(pipe)
+        _step(pipe, 0)
+        for name, param in pipe.named_parameters():
+            torch.testing.assert_close(param.grad, expected[name].grad, atol=1e-12, rtol=1e-10,
+                                       msg=f"{schedule}/{checkpoint}: {name}")
 
 
 def test_post_accumulate_hooks_fire_once_per_step_with_the_whole_gradient() -> None:

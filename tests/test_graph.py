@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from graph_check import train_both
 from graph_models import build, example, loss_of
 from torch import Tensor, nn
+from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 import seqpipe
@@ -96,6 +97,19 @@ def test_glue_devices_follow_the_input_and_fixed_sizes_are_checked_first() -> No
         seq(ids, attention_mask=torch.ones_like(ids), use_cache=False)
 
 
+def test_a_dimension_declared_dynamic_takes_other_sizes() -> None:
+    model = build("gpt2").eval()
+    both = {0: Dim.AUTO, 1: Dim.AUTO}  # batch and sequence length
+    seq = to_sequential(model, *example("gpt2")[:2], dynamic_shapes={
+        "input_ids": both, "attention_mask": both, "use_cache": None})
+    for length in (9, 20):
+        ids = torch.randint(64, (3, length))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        torch.testing.assert_close(seq(ids, attention_mask=mask, use_cache=False).logits,
+                                   model(ids, attention_mask=mask, use_cache=False).logits)
+
+
 class Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -126,6 +140,12 @@ class GlueDropout(nn.Module):
         return self.b(F.dropout(self.a(x), 0.5, self.training))
 
 
+class ToNumpy(Branchy):
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        return self.b(h * len(h.detach().numpy()))  # leaves torch: no trace can follow
+
+
 def test_errors_name_the_module_and_the_mend() -> None:
     x = torch.randn(3, 4)
     with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
@@ -133,6 +153,11 @@ def test_errors_name_the_module_and_the_mend() -> None:
                                               r"data-dependent control flow.*make that module a "
                                               r"unit"):
         to_sequential(Branchy(), (x,))
+    with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
+                                              r".*test_graph.py:\d+ \(return self.b\(h \* "
+                                              r"len\(h.detach\(\).numpy\(\)\)\).*an operation "
+                                              r"that cannot be traced.*make that module a unit"):
+        to_sequential(ToNumpy(), (x,))
     with pytest.raises(ConversionError, match=r"unit 'a' \(Linear\) is called 2 times in one "
                                               r"forward.*units=\[\.\.\.\] naming the parent"):
         to_sequential(Twice(), (x,))

@@ -1,8 +1,11 @@
 """``seqpipe.to_sequential`` models in ``DistributedPipe``: on 2 ranks the four models of
-``graph_models`` under 1f1b, zb_h1 and interleaved_1f1b (three SGD steps, batch size
-changing, loss, every gradient and weight against the plain model), then a DCP checkpoint
+``graph_models`` under 1f1b, zb_h1 and interleaved_1f1b, and the MLP under ``"auto"``
+(three SGD steps, batch size changing, loss, every gradient and weight against the plain
+model; the ResNet with deferred BatchNorm under recomputation), a meta-built ResNet
+materialised from per-layer seeds, then a DCP checkpoint
 of the converted GPT-2 saved under one balance, loaded under another and into the plain
-model by its own keys; on 3 ranks GPT-2 (its tie spans the first and last stage)."""
+model by its own keys; on 3 ranks the U-Net under zb_h1 (a skip over the middle stage)
+and GPT-2 (its tie spans the first and last stage)."""
 from __future__ import annotations
 
 import copy
@@ -14,13 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from graph_check import train_both
-from graph_models import build, example, loss_of
+from graph_models import ResNet, build, example, loss_of
 from torch import Tensor, nn
 
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe
 from seqpipe.distributed.checkpoint import gather_full_state_dict, load, load_into_plain, save
 from seqpipe.graph import to_sequential
+from seqpipe.seeding import seed_layers
 
 TOL = {"gpt2": dict(atol=2e-5, rtol=1e-4)}
 DOUBLE = dict(atol=1e-10, rtol=1e-8)
@@ -32,8 +36,9 @@ def _train(world: int, name: str, converted: nn.Sequential, schedule: str,
     n = len(seq)
     stages = world * (2 if schedule.startswith("interleaved") else 1)
     balance = [n // stages + (i < n % stages) for i in range(stages)]
+    # the ResNet's BatchNorms count each micro-batch once, recomputed or not
     pipe = DistributedPipe(seq, chunks=world * 2, balance=balance, schedule=schedule,
-                           checkpoint="never" if name == "resnet" else "except_last")
+                           deferred_batch_norm=name == "resnet")
     params = {seq.origin.original_key(k): p
               for k, p in pipe.named_parameters(remove_duplicate=False)}
 
@@ -72,12 +77,29 @@ def _checkpoint(rank: int, converted: nn.Sequential, folder: str, failures: Fail
             failures.close(value, mine[key], f"loaded into the plain model: {key}")
 
 
+def _seeded(converted: nn.Sequential, failures: Failures) -> None:
+    """A ResNet built on meta, converted, each rank materialising its own layers from
+    per-layer seeds: the values ``seed_layers`` gives the converted whole model."""
+    want = seed_layers(copy.deepcopy(converted), 7).state_dict()
+    with torch.device("meta"):
+        model = ResNet().double()
+    pipe = DistributedPipe(to_sequential(model, *example("resnet")[:2]), chunks=2,
+                           balance=[4, 4], base_seed=7)
+    for key, value in pipe.state_dict().items():
+        failures.close(value, want[key], f"meta-built, seeded: {key}")
+
+
 def _two(rank: int, world: int, folder: str) -> None:
     for name in ("mlp", "unet", "resnet", "gpt2"):
         failures = Failures(rank, TOL.get(name, DOUBLE))
         seq = to_sequential(build(name), *example(name)[:2])
-        for schedule in ("1f1b", "zb_h1", "interleaved_1f1b"):
-            _train(world, name, seq, schedule, failures)
+        extra = ("auto",) if name == "mlp" else ()  # measures step 1, switches from step 2
+        for schedule in ("1f1b", "zb_h1", "interleaved_1f1b", *extra):
+            pipe = _train(world, name, seq, schedule, failures)
+        if name == "mlp":
+            failures.expect(pipe.auto_choice is not None, "schedule='auto' picked nothing")
+        if name == "resnet":
+            _seeded(seq, failures)
         failures.finish()
     failures = Failures(rank, DOUBLE)
     _checkpoint(rank, seq, folder, failures)
@@ -86,6 +108,11 @@ def _two(rank: int, world: int, folder: str) -> None:
 
 
 def _three(rank: int, world: int) -> None:
+    # the U-Net's encoder features skip from stage 0 over stage 1 to stage 2, and back
+    failures = Failures(rank, DOUBLE)
+    _train(world, "unet", to_sequential(build("unet"), *example("unet")[:2]), "zb_h1",
+           failures)
+    failures.finish()
     failures = Failures(rank, TOL["gpt2"])
     seq = to_sequential(build("gpt2"), *example("gpt2")[:2])
     pipe = _train(world, "gpt2", seq, "1f1b", failures)

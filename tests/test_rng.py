@@ -149,3 +149,26 @@ def test_a_positional_generator_argument_is_filled_in_place():
 ])
 def test_every_multi_stage_pipeline_uses_private_streams(devices, private):
     assert needs_private_rng([torch.device(d) for d in devices]) is private
+
+
+def test_inside_a_private_stream_the_rng_state_is_the_streams() -> None:
+    """``torch.get_rng_state``/``set_rng_state`` (what ``torch.utils.checkpoint`` and
+    ``torch.random.fork_rng`` save and restore) read and write the private stream inside
+    one, and leave the global generator alone; outside, they are the global generator's."""
+    torch.manual_seed(0)
+    outside = torch.get_rng_state()
+    with isolated_rng(7):
+        state = torch.get_rng_state()
+        first = torch.rand(4)
+        torch.set_rng_state(state)
+        assert torch.equal(torch.rand(4), first)  # the stream went back, and replayed
+        with torch.random.fork_rng():
+            torch.rand(4)
+        second = torch.rand(4)  # fork_rng put the stream back where it was
+    assert not torch.equal(state, outside)
+    assert torch.equal(torch.get_rng_state(), outside)
+    with isolated_rng(7):
+        assert torch.equal(torch.rand(4), first)
+        assert torch.equal(torch.rand(4), second)
+    torch.set_rng_state(state)  # outside: the global generator, as in torch
+    assert torch.equal(torch.rand(4), first)

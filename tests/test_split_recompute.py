@@ -11,7 +11,7 @@ mode and both engines; a split backward (``I`` then ``W``) recomputes at ``I``.
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -96,6 +96,26 @@ def test_loss_fn_runs_once_per_microbatch_and_its_draw_is_differentiated(schedul
 # --------------------------------------------------------------------- self-checkpointing
 
 
+class RecordedDropout(nn.Module):
+    """Dropout that keeps the mask of each micro-batch's first draw (its forward: any
+    recomputation comes later), keyed by the micro-batch's first input value; with
+    ``masks`` given, it applies those instead of drawing (the plain model, run on the same
+    micro-batches with the masks the pipeline's forwards drew)."""
+
+    def __init__(self, p: float, masks: Optional[Dict[float, Tensor]] = None) -> None:
+        super().__init__()
+        self.p, self.replaying = p, masks is not None
+        self.masks: Dict[float, Tensor] = {} if masks is None else masks
+
+    def forward(self, x: Tensor) -> Tensor:
+        key = round(float(x.detach().flatten()[0]), 9)
+        if self.replaying:
+            return x * self.masks[key] / (1 - self.p)
+        out = F.dropout(x, self.p, self.training)
+        self.masks.setdefault(key, out.detach() != 0)
+        return out
+
+
 class SelfCheckpointed(nn.Module):
     """A block that checkpoints itself inside its forward, as Hugging Face layers do
     (``own=False``: the same block without its checkpoint)."""
@@ -103,7 +123,7 @@ class SelfCheckpointed(nn.Module):
     def __init__(self, reentrant: bool = False, dropout: float = 0.0, own: bool = True) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.drop = nn.Dropout(dropout)
+        self.drop = RecordedDropout(dropout)
         self.reentrant, self.own = reentrant, own
 
     def forward(self, x: Tensor) -> Tensor:
@@ -127,22 +147,68 @@ def blocks(dropout: float = 0.0, own: bool = True) -> nn.Sequential:
 BLOCKS = {2: [3, 3], 4: [1, 2, 1, 2]}
 
 
+def drawn(model: nn.Sequential) -> Dict[int, Dict[float, Tensor]]:
+    """The masks each block of ``model`` recorded, by the block's index."""
+    return {k: layer.drop.masks for k, layer in enumerate(model)
+            if isinstance(layer, SelfCheckpointed) and layer.drop.masks}
+
+
+def replaying(masks: Dict[int, Dict[float, Tensor]]) -> nn.Sequential:
+    """The plain model (no checkpoints of its own) applying the dropout masks a pipeline's
+    forwards drew (``drawn``), one per micro-batch and block."""
+    plain = blocks()
+    for k, block in enumerate(plain):
+        if isinstance(block, SelfCheckpointed):
+            assert len(masks[k]) == M, f"block {k} did not record one mask per micro-batch"
+            block.own, block.drop = False, RecordedDropout(0.5, masks[k])
+    return plain
+
+
+def plain_loss(plain: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """The mini-batch loss of ``plain`` run on the pipeline's ``M`` micro-batches."""
+    return sum(F.mse_loss(plain(a), b) for a, b in zip(x.chunk(M), y.chunk(M))) / M
+
+
+def assert_trains_like_plain(model: nn.Sequential, loss: Tensor, x: Tensor, y: Tensor,
+                             what: str) -> None:
+    """The pipeline's loss and gradients are the plain model's on the same ``M``
+    micro-batches, with the dropout masks the pipeline's forwards drew (a recomputation
+    that drew others would differentiate another function than the forward computed)."""
+    plain = replaying(drawn(model))
+    expected = plain_loss(plain, x, y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-12, rtol=1e-10, msg=what)
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10,
+                                   msg=f"{what}: {name}")
+
+
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_a_layer_that_checkpoints_itself_trains_like_the_plain_model(schedule: str) -> None:
+    """With dropout inside the block's own checkpoint: its recomputation (in the stage's
+    backward, or at ``I``) must draw the forward's mask from the task's private stream."""
     x, y = data()
-    plain = blocks()
-    expected = F.mse_loss(plain(x), y)
-    expected.backward()
     for mode in MODES:
-        model = blocks()
+        model = blocks(dropout=0.5)
         balance = BLOCKS[SCHEDULES[schedule]]
         pipe = Pipe(model, chunks=M, checkpoint=mode, balance=balance,
                     devices=["cpu"] * len(balance))
         loss = pipe.train_step(x, y, F.mse_loss, schedule=schedule)
-        torch.testing.assert_close(loss, expected.detach(), atol=1e-12, rtol=1e-10)
-        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
-            torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10,
-                                       msg=f"{mode}: {name}")
+        assert_trains_like_plain(model, loss, x, y, f"{schedule}/{mode}")
+
+
+@pytest.mark.parametrize("every", [None, 1])
+def test_a_layer_that_checkpoints_itself_under_forward_and_backward(every: Optional[int]) -> None:
+    """``pipe(x)`` then ``loss.backward()``, the partitions checkpointed whole or layer by
+    layer (``checkpoint_every=1``): the same masks in the forward and the recomputation."""
+    x, y = data()
+    for mode in MODES:
+        model = blocks(dropout=0.5)
+        pipe = Pipe(model, chunks=M, checkpoint=mode, balance=[3, 3], devices=["cpu"] * 2,
+                    checkpoint_every=every)
+        loss = F.mse_loss(pipe(x), y)
+        loss.backward()
+        assert_trains_like_plain(model, loss, x, y, f"{mode}, every {every}")
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
@@ -198,18 +264,20 @@ def _distributed(rank: int, world: int) -> None:
                                   F.mse_loss)
             failures.close(run, F.mse_loss(plain_blocks(x), y).detach(), f"{what}: blocks")
             failures.grads(pipe, plain_blocks, f"{what}: self-checkpointing blocks")
-    for schedule in ("zb_h1", "zbv"):  # one stage per process: the global generators
-        for mode in ("always", "never"):
-            grads = []
-            for own in (True, False):  # a block's own checkpoint replays its dropout masks
-                pipe = DistributedPipe(blocks(0.5, own), M, schedule=schedule,
-                                       balance=BLOCKS[SCHEDULES[schedule]], checkpoint=mode)
-                torch.manual_seed(6)
-                pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
-                                F.mse_loss)
-                grads.append({k: p.grad for k, p in pipe.named_parameters()})
-            for key, grad in grads[1].items():
-                failures.close(grads[0][key], grad, f"dropout {schedule}/{mode}: {key}")
+    for schedule in ("1f1b", "zb_h1", "zbv"):  # one stage per process: global generators
+        for mode in MODES:  # the blocks' own checkpoints replay their dropout masks
+            model = blocks(0.5)
+            pipe = DistributedPipe(model, M, schedule=schedule,
+                                   balance=BLOCKS[SCHEDULES[schedule]], checkpoint=mode)
+            loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                                   F.mse_loss)
+            gathered: List[Dict[int, Dict[float, Tensor]]] = [{}] * world
+            dist.all_gather_object(gathered, drawn(model))
+            plain = replaying({k: v for held in gathered for k, v in held.items()})
+            expected = plain_loss(plain, x, y)
+            expected.backward()
+            failures.close(loss, expected.detach(), f"dropout {schedule}/{mode}")
+            failures.grads(pipe, plain, f"dropout {schedule}/{mode}")
     failures.finish()
     # Last: a failed step. Its own group, so that the abort leaves the default one usable.
     layers = [nn.Linear(6, 8), nn.Linear(8, 8), SelfCheckpointed(reentrant=True),

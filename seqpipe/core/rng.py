@@ -18,18 +18,33 @@ every random op that was not given one: ops with a ``generator`` argument get it
 with a sibling overload that takes one (``randn``, ``rand_like``, ``randint``...) are
 redirected to it, and ``native_dropout`` (the fused dropout of accelerators, which takes
 no generator) is computed from a ``bernoulli_`` draw on the private generator.
+
+A layer may checkpoint itself (``torch.utils.checkpoint(..., use_reentrant=False)`` inside
+its forward). That checkpoint saves "the" random state with ``torch.get_rng_state()`` (and
+``torch.cuda.get_rng_state()``) and restores it with the setters before recomputing, in
+the stage's backward. So that it saves and restores the stream its dropout really draws
+from, those four functions are made stream-aware once the first private stream is made
+(``_install``): under a private stream, innermost first on the calling context's dispatch
+mode stack (which autograd carries into its own threads), they read and write that
+stream's generator; everywhere else they are torch's own. A forward that had its stream's
+state read (``captures``) has its backward run under a private stream too
+(``backward_stream``), where the checkpoint's recomputation restores the saved state and
+draws what its forward drew.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+import functools
+import threading
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PrivateStreams", "draw_seeds", "isolated_rng", "needs_private_rng"]
+__all__ = ["PrivateStreams", "backward_stream", "captures", "draw_seeds", "isolated_rng",
+           "needs_private_rng"]
 
 _aten = torch.ops.aten
 _NO_GENERATOR = object()
@@ -87,6 +102,7 @@ class _PrivateGenerator(TorchDispatchMode):
     def __init__(self, seed: int,
                  states: Optional[Dict[torch.device, Tensor]] = None) -> None:
         super().__init__()
+        _install()
         self.seed = seed
         self.generators: Dict[torch.device, torch.Generator] = {
             device: torch.Generator(device=device).set_state(state)
@@ -127,6 +143,81 @@ class _PrivateGenerator(TorchDispatchMode):
             return func(input, p, train)
         keep = torch.empty_like(input).bernoulli_(1 - p, generator=generator).bool()
         return input * keep * (1.0 / (1 - p)), keep
+
+
+# ------------------------------------------------- the accessors torch's checkpoint saves with
+
+_local = threading.local()  # .captures: how often a private stream's state was read here
+_lock = threading.Lock()
+_installed: List[bool] = []
+_BACKWARD_SALT = 0x5DEECE66D  # the backward's stream is not the forward's stream again
+
+
+def _innermost() -> Optional[_PrivateGenerator]:
+    """The private stream that random ops in this context draw from, if any."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _PrivateGenerator):
+            return mode
+    return None
+
+
+def _stream_aware(module: Any, device_of: Callable[..., torch.device]) -> None:
+    """Make ``module.get_rng_state``/``set_rng_state`` read and write the innermost private
+    stream's generator, when there is one (``device_of`` picks the device from their
+    ``device`` argument); torch's own functions otherwise."""
+    get, put = module.get_rng_state, module.set_rng_state
+
+    @functools.wraps(get)
+    def get_rng_state(*args: Any, **kwargs: Any) -> Tensor:
+        mode = _innermost()
+        generator = None if mode is None else mode._generator(device_of(*args, **kwargs))
+        if generator is None:
+            return get(*args, **kwargs)
+        _local.captures = captures() + 1
+        return generator.get_state()
+
+    @functools.wraps(put)
+    def set_rng_state(new_state: Tensor, *args: Any, **kwargs: Any) -> None:
+        mode = _innermost()
+        generator = None if mode is None else mode._generator(device_of(*args, **kwargs))
+        if generator is None:
+            return put(new_state, *args, **kwargs)
+        generator.set_state(new_state)
+        return None
+
+    module.get_rng_state, module.set_rng_state = get_rng_state, set_rng_state
+
+
+def _cuda(device: Any = "cuda") -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _install() -> None:
+    """Once per process: the CPU's and CUDA's state accessors become stream-aware (what
+    ``torch.utils.checkpoint`` and ``torch.random.fork_rng`` call, by attribute, when they
+    run). Outside a private stream they behave exactly as before."""
+    if _installed:
+        return
+    with _lock:
+        if not _installed:
+            for module in (torch, torch.random):  # one function, exported twice
+                _stream_aware(module, lambda: torch.device("cpu"))
+            _stream_aware(torch.cuda, _cuda)
+            _installed.append(True)
+
+
+def captures() -> int:
+    """How many times this thread has read a private stream's state so far (a layer's own
+    checkpoint saving it for its recomputation): a task whose forward raised the count
+    needs its backward under ``backward_stream``."""
+    return int(getattr(_local, "captures", 0))
+
+
+def backward_stream(seed: Optional[int]) -> ContextManager[Any]:
+    """Around a task's backward (``seed`` its stream's, ``None`` for none): a private
+    stream, so that a layer's own checkpoint recomputes from the state of that stream it
+    saved in the forward (restored through the accessors above), not the global one."""
+    return nullcontext() if seed is None else _PrivateGenerator(seed ^ _BACKWARD_SALT)
 
 
 def needs_private_rng(devices: Sequence[torch.device]) -> bool:

@@ -13,18 +13,20 @@ the graph at every boundary is what lets each stage's backward run on its own th
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from seqpipe.core.batchnorm import DeferredBatchNorm
+from seqpipe.core.caller_input import CallerInput
 from seqpipe.core.checkpoint import Replay, first_pass, refusing_reentrant, run_task
 from seqpipe.core.entry import Entry, enter
 from seqpipe.core.microbatch import Batch
+from seqpipe.core.rng import backward_stream, captures
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.segments import run_segments, segments_of, skips_between
 from seqpipe.core.sink import GradSink
@@ -100,6 +102,7 @@ class TaskState:
     split: Optional[SplitBackward] = None  # between I and W
     head: Optional["TaskState"] = None  # the loss's own graph, on a replayed last stage
     saved: Optional[SavedTensors] = None  # split: what the forward saved, freed after I
+    stream: Optional[int] = None  # the seed of the backward's private stream, if it needs one
 
     def edges(self) -> List[GradientEdge]:
         """The roots of this micro-batch's graph on the stage (outputs and skips)."""
@@ -143,6 +146,7 @@ class Stage:
         # seqpipe.distributed.fsdp sets this then); None: the parameters themselves. It is
         # given the stage rather than holding it, so that the stage is in no cycle.
         self.leaves: Optional[Callable[["Stage"], List[Tensor]]] = None
+        self.caller_input = CallerInput() if index == 0 else None
 
     def parameters(self) -> List[nn.Parameter]:
         """The parameters that receive gradients, in a fixed order."""
@@ -165,14 +169,20 @@ class Stage:
         in the forward and again in the recomputation; see docs/pipe.md for its cost),
         whether ``torch.utils.checkpoint`` recomputes it or a split backward's ``I`` does.
         The input's non-tensor values come from ``like`` (the recomputation gets the same).
+        The first stage's input is the caller's: it is copied whenever its layers would
+        write it, checkpointed or not (``seqpipe.core.caller_input``).
         """
         atomic, constants = like.atomic, like.constants  # not its tensors: not kept alive
         layers = self._layers(tracker, sink)
 
-        def run(*tensors: Tensor) -> Any:
-            if protect:
-                tensors = tuple(t.clone() for t in tensors)
+        def call(tensors: Tuple[Tensor, ...]) -> Any:
             return layers(self.partition, Batch(tensors, atomic, constants).value)
+
+        def run(*tensors: Tensor) -> Any:
+            if self.caller_input is not None:  # the caller's input: copied if written
+                modes = tuple(layer.training for layer in self.partition)
+                return self.caller_input.run(tensors, modes, protect, call)
+            return call(tuple(t.clone() for t in tensors) if protect else tensors)
         return run
 
     def run_inline(self, inputs: Batch, tracker: StageSkipTracker) -> Sent:
@@ -247,6 +257,7 @@ class Stage:
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         tracker.replaying = replaying
         state.saved = SavedTensors() if split else None
+        read = captures()
         with state.recording():
             if checkpoint and self.segments:  # checkpoint_every: segment by segment
                 tracker.between = self.between
@@ -255,6 +266,8 @@ class Stage:
             else:
                 out = run_task(self._call(tracker, received.inputs, checkpoint or replaying,
                                           sink), inputs, checkpoint=checkpoint, seed=seed)
+        if captures() != read:  # a layer's own checkpoint saved the private stream's state
+            state.stream = seed
         sent = self._sent(out, tracker)
         state.roots = [_edge(t) for t in sent.outputs.tensors]
         state.skip_roots = {k: _edge(t) for k, t in sent.skips.items()}
@@ -298,9 +311,16 @@ class Stage:
         phony = state.entry.phony
         wrt = ([phony] if phony is not None else []) + self._weights(sink)
         if roots and wrt:
-            with refusing_reentrant(self.index, state.edges()):
+            with self._backpropagating(state):
                 torch.autograd.backward(roots, grads, inputs=autograd_inputs(wrt))
         return self._received_grads(state)
+
+    @contextmanager
+    def _backpropagating(self, state: TaskState) -> Iterator[None]:
+        """Around a backward through ``state``'s graph: a reentrant checkpoint refused by
+        name, and the private stream that a layer's own checkpoint recomputes from."""
+        with refusing_reentrant(self.index, state.edges()), backward_stream(state.stream):
+            yield
 
     def _weights(self, sink: Optional[GradSink]) -> List[Tensor]:
         """What the parameters' gradients accumulate into: what ``sink`` says, else the
@@ -330,7 +350,7 @@ class Stage:
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         state.split = SplitBackward(roots, grads, state.entry.phony, state.entry.node,
                                     saved=state.saved)
-        with refusing_reentrant(self.index, state.edges()):
+        with self._backpropagating(state):
             state.split.input()
         return self._received_grads(state)
 
@@ -340,7 +360,7 @@ class Stage:
         assert state.split is not None, "backward_weight before backward_input"
         split, state.split = state.split, None
         weights = self._weights(sink)
-        with refusing_reentrant(self.index, state.edges()):
+        with self._backpropagating(state):
             split.weight(weights)
         if state.head is not None and state.head.split is not None:
             state.head.split.weight(weights)  # parameters that loss_fn itself used, if any

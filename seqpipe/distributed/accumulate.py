@@ -14,9 +14,14 @@ micro-batch's share on top, layer by layer, and each parameter's post-accumulate
 the full gradient, once, while the backward is still running (so a data-parallel
 all-reduce still overlaps it).
 
+A parameter with ``register_hook`` hooks, which see the gradient flowing *into* it before
+it is accumulated (and may return another: scaling, clipping), is not preloaded: a hook put
+first among them adds the other micro-batches' sum to what the last backward brings, so
+those hooks see, and change, the whole gradient, as in the unpipelined model.
+
 A parameter the last micro-batch does not reach (say, a layer skipped in that micro-batch
-only) got its sum in ``.grad`` but no accumulation: it is handed a zero gradient through
-autograd afterwards, so its hooks fire once too.
+only) got no accumulation: it is handed its sum (zero if preloaded) through autograd
+afterwards, so its hooks fire once too.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from seqpipe.core.sink import AliasSink, GradSink, open_sink
 from seqpipe.core.stage import Stage
@@ -56,16 +62,52 @@ class StepGrads:
             yield
             return
         preloaded: List[Tuple[nn.Parameter, Tensor, int]] = []
+        firsts: List[_AddFirst] = []
         for param, grad in self.sink.take():
+            if param._backward_hooks:  # register_hook hooks: they must see the sum
+                firsts.append(_AddFirst(param, grad))
+                continue
             if param.grad is None:
                 param.grad = grad
             else:
                 param.grad += grad
             preloaded.append((param, param.grad, param.grad._version))
-        yield
+        try:
+            yield
+        finally:
+            for first in firsts:
+                first.remove()
         # The last backward added to a preloaded .grad in place (a new version of it) or
         # a hook replaced it; an untouched one means autograd never reached the parameter.
-        missed = [p for p, grad, version in preloaded
+        missed = [(p, torch.zeros_like(p)) for p, grad, version in preloaded
                   if p.grad is grad and grad._version == version]
+        missed += [(first.param, first.total) for first in firsts if not first.fired]
         if missed:
-            torch.autograd.backward(missed, [torch.zeros_like(p) for p in missed])
+            torch.autograd.backward([p for p, _ in missed], [g for _, g in missed])
+
+
+class _AddFirst:
+    """Put first among ``param``'s ``register_hook`` hooks for the last backward: adds
+    ``total`` (the other micro-batches' sum) to the gradient it brings, once."""
+
+    def __init__(self, param: Tensor, total: Tensor) -> None:
+        self.param, self.total, self.fired = param, total, False
+        hooks = param._backward_hooks
+        self._handle = RemovableHandle(hooks)
+        # Autograd walks the dict in its insertion order (``PyDict_Next``), which
+        # ``move_to_end`` does not change: insert again, this hook first, in the same dict
+        # (the user's handles hold it and their keys).
+        theirs = list(hooks.items())
+        hooks.clear()
+        hooks[self._handle.id] = self
+        hooks.update(theirs)
+
+    def __call__(self, grad: Tensor) -> Optional[Tensor]:
+        if self.fired:
+            return None
+        self.fired = True
+        return grad + self.total
+
+    def remove(self) -> None:
+        """Take the hook off again (after the last backward)."""
+        self._handle.remove()

@@ -1,8 +1,11 @@
-"""Which units a model's forward calls, how often and in what order: one eager dry run.
+"""Which units a model's forward calls, how often and in what order: one dry run.
 
-Before tracing, ``to_sequential`` runs the model once on the example under
-``torch.no_grad()``, with global module hooks counting the units' calls. The run leaves
-no trace: buffers (BatchNorm statistics) and the RNG state are restored afterwards. The
+Before tracing, ``to_sequential`` runs the model once on the example with fake tensors
+(``FakeTensorMode``: shapes, no data, as ``torch.export`` runs it), with global module
+hooks counting the units' calls. The run computes and changes nothing (BatchNorm
+statistics, the RNG state), takes the branches the trace will take (Hugging Face skips
+its mask shortcut, which reads tensor values, when tracing), and works for a model built
+on the ``meta`` device. A failure is explained like a failure to trace. The
 counts decide what becomes a layer: a unit runs exactly once per forward; a module
 without state called several times (one ``nn.ReLU`` reused) is traced as glue instead,
 and one with parameters called twice is refused, since its parameters cannot sit at two
@@ -14,16 +17,20 @@ import contextlib
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
 
-from seqpipe.graph.errors import MEND, ConversionError
+from seqpipe.graph.errors import MEND, ConversionError, explain
 
-__all__ = ["call_order", "module_stack", "is_stateful"]
+__all__ = ["call_order", "dry_run", "module_stack", "is_stateful"]
 
 
 def is_stateful(module: nn.Module) -> bool:
@@ -59,6 +66,21 @@ def module_stack(model: nn.Module) -> Iterator[List[str]]:
             handle.remove()
 
 
+def dry_run(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Run ``model`` on the example with fake tensors (shapes, dtypes and devices, no data),
+    as ``torch.export`` will: the same branches are taken, nothing real is computed or
+    changed (BatchNorm statistics, the RNG), and a model built on ``meta`` runs too."""
+    # static shapes: cheap (about as fast as an eager run of a small model); the shape
+    # environment still turns a read of tensor values into a data-dependent error
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    state = {name: mode.from_tensor(tensor) for name, tensor in
+             (*model.named_parameters(remove_duplicate=False),
+              *model.named_buffers(remove_duplicate=False))}
+    fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+    with mode, torch.no_grad(), torch.random.fork_rng(devices=[]):
+        functional_call(model, state, fake_args, fake_kwargs, tie_weights=True, strict=False)
+
+
 def call_order(model: nn.Module, units: Dict[str, nn.Module], args: Tuple[Any, ...],
                kwargs: Dict[str, Any], explicit: bool) -> List[str]:
     """The units the forward calls, in the order of their (only) call.
@@ -77,18 +99,15 @@ def call_order(model: nn.Module, units: Dict[str, nn.Module], args: Tuple[Any, .
             counts[name] += 1
             order.append(name)
 
-    saved = {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()
-             if not isinstance(v, nn.Parameter) and isinstance(v, torch.Tensor)}
     handle = register_module_forward_pre_hook(pre)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(*args, **kwargs)
+        with module_stack(model) as stack:
+            try:
+                dry_run(model, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised naming the module and line
+                raise explain(exc, list(stack), units) from exc
     finally:
         handle.remove()
-        with torch.no_grad():
-            for key, value in model.state_dict(keep_vars=True).items():
-                if key in saved:
-                    value.copy_(saved[key])
     kept: List[str] = []
     for name in dict.fromkeys(order):
         if counts[name] == 1:

@@ -59,7 +59,8 @@ def to_sequential(model: nn.Module, example_args: Any = (),
             parameter and buffer objects, so its own ``state_dict()``, optimizer and hooks
             keep working, and ``model.train()``/``eval()`` reach the layers too.
         example_args: the positional arguments of one call of ``model`` (a tensor or a
-            tuple), with a batch of at least 2 on dim 0 of every tensor.
+            tuple), with a batch of at least 2 on dim 0 of every tensor. For a model built
+            on the ``meta`` device only their shapes count (real tensors are fine).
         example_kwargs: its keyword arguments. Non-tensor values (``use_cache=False``)
             are fixed by the trace.
         units: fully qualified names of the modules that become layers, in any order;
@@ -85,6 +86,12 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     # fresh tensors: export would guard on an example that is a view (``x[:, :-1]``)
     # being one, and every input after it would fail that guard
     args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        # built on meta (each stage materialises its own layers, see DistributedPipe's
+        # base_seed): tracing needs shapes alone, and the glue's device constants then
+        # follow each layer's input device like any traced device
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
+                                            (args, kwargs))
     found = check_units(model, units)
     order = call_order(model, found, args, kwargs, explicit=units is not None)
     traced = trace(model, args, kwargs, found, order, dynamic_shapes)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Optional
+from typing import Collection, List, Optional
 
 import torch
 
-__all__ = ["ConversionError", "MEND", "user_frame"]
+__all__ = ["ConversionError", "MEND", "explain", "user_frame"]
 
 MEND = ("make that module a unit (pass units=[...] naming it, or its parent), or write the "
         "nn.Sequential by hand (see docs/models.md)")
@@ -37,3 +37,33 @@ def user_frame(exc: BaseException) -> Optional[str]:
             return f"{frame.filename}:{frame.lineno} ({line})" if line else \
                 f"{frame.filename}:{frame.lineno}"
     return None
+
+
+def explain(exc: Exception, stack: List[str], units: Collection[str]) -> ConversionError:
+    """A failure to run the model on fake tensors or to export it, as a ``ConversionError``
+    naming the module (``stack``: the qualified names of the modules whose forward was
+    running, outermost first), the line of the user's code and the mend."""
+    inner = stack[-1] if stack else ""
+    where = f"module {inner!r}" if inner else "the model's own forward"
+    in_unit = next((u for u in reversed(stack) if u in units), None)
+    line = user_frame(exc)
+    at = f" at {line}" if line else ""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "Only Tensors or scalars are supported" in str(exc) and in_unit is not None:
+        return ConversionError(
+            f"unit {in_unit!r} is called with an argument that is neither a tensor nor a "
+            f"plain value ({text}); a unit's inputs must be tensors, numbers, strings or None. "
+            f"Pass example_kwargs that avoid it (e.g. use_cache=False), choose units= whose "
+            f"inputs are tensors, or write the nn.Sequential by hand")
+    if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+        kind = "data-dependent control flow (a branch or size that depends on tensor values)"
+    else:
+        kind = f"an operation that cannot be traced ({type(exc).__name__}: {text})"
+    if in_unit is not None:
+        mend = (f"the code runs inside unit {in_unit!r}; units run eagerly but are traced "
+                f"once to record their calls, so split that unit's work so the untraceable "
+                f"part runs inside a unit of its own (units=[...]), or write the "
+                f"nn.Sequential by hand")
+    else:
+        mend = MEND
+    return ConversionError(f"cannot trace {where}{at}: {kind}. Mend: {mend}")

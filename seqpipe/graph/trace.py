@@ -31,7 +31,7 @@ from torch.export.graph_signature import ConstantArgument
 from torch.fx.passes.tools_common import legalize_graph
 
 from seqpipe.graph.calls import module_stack
-from seqpipe.graph.errors import MEND, ConversionError, user_frame
+from seqpipe.graph.errors import MEND, ConversionError, explain
 
 __all__ = ["Traced", "trace"]
 
@@ -69,7 +69,7 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
             program = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes,
                              preserve_module_call_signature=tuple(order))
         except Exception as exc:  # noqa: BLE001 - re-raised as a ConversionError naming the place
-            raise _explain(exc, list(stack), units) from exc
+            raise explain(exc, list(stack), units) from exc
     signatures = {e.fqn: e.signature for e in program.module_call_graph if e.signature}
     gm = program.module()
     assert isinstance(gm, fx.GraphModule)
@@ -89,34 +89,6 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
     device = leaves[0].device if leaves else torch.device("cpu")
     return Traced(gm, program.call_spec.in_spec, program.call_spec.out_spec, list(order),
                   device)
-
-
-def _explain(exc: Exception, stack: List[str], units: Dict[str, nn.Module]) -> ConversionError:
-    """The export failure as a ConversionError naming the module, the code line and a mend."""
-    inner = stack[-1] if stack else ""
-    where = f"module {inner!r}" if inner else "the model's own forward"
-    in_unit = next((u for u in reversed(stack) if u in units), None)
-    line = user_frame(exc)
-    at = f" at {line}" if line else ""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "Only Tensors or scalars are supported" in str(exc) and in_unit is not None:
-        return ConversionError(
-            f"unit {in_unit!r} is called with an argument that is neither a tensor nor a "
-            f"plain value ({text}); a unit's inputs must be tensors, numbers, strings or None. "
-            f"Pass example_kwargs that avoid it (e.g. use_cache=False), choose units= whose "
-            f"inputs are tensors, or write the nn.Sequential by hand")
-    if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__:
-        kind = "data-dependent control flow (a branch or size that depends on tensor values)"
-    else:
-        kind = f"an operation that cannot be traced ({type(exc).__name__}: {text})"
-    if in_unit is not None:
-        mend = (f"the code runs inside unit {in_unit!r}; units run eagerly but are traced "
-                f"once to record their calls, so split that unit's work so the untraceable "
-                f"part runs inside a unit of its own (units=[...]), or write the "
-                f"nn.Sequential by hand")
-    else:
-        mend = MEND
-    return ConversionError(f"cannot trace {where}{at}: {kind}. Mend: {mend}")
 
 
 def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
