@@ -23,7 +23,7 @@ from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import LossFn
 from seqpipe.graph.origin import Origin, model_output
-from seqpipe.local.direct import DOUBLE_BACKWARD, run_direct, runs_direct
+from seqpipe.local.direct import pipeline_outputs, refuse_create_graph, run_direct, runs_direct
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -46,15 +46,11 @@ class _PipeFunction(torch.autograd.Function):
     def forward(ctx: Any, call: "_Call", *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
         outputs = call.forward()
         ctx.call = call
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*(t for t in outputs
-                                      if not (t.is_floating_point() or t.is_complex())))
-        return outputs
+        return pipeline_outputs(ctx, outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        if torch.is_grad_enabled():  # autograd runs backward with grad on for create_graph
-            raise RuntimeError(DOUBLE_BACKWARD)
+        refuse_create_graph()
         return (None, *ctx.call.backward(grads))
 
 

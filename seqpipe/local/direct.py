@@ -39,13 +39,29 @@ from seqpipe.core.stage import Stage, wants_grad
 from seqpipe.skip.tracker import StageSkipTracker
 from seqpipe.trace import hooks
 
-__all__ = ["DOUBLE_BACKWARD", "SECOND_BACKWARD", "runs_direct", "run_direct"]
+__all__ = ["DOUBLE_BACKWARD", "SECOND_BACKWARD", "pipeline_outputs", "refuse_create_graph",
+           "runs_direct", "run_direct"]
 
 # What the engine and the direct call refuse, in the same words.
 SECOND_BACKWARD = ("this pipeline output was already backpropagated; its activations are "
                    "freed. Run the forward again (there is no retain_graph for a Pipe)")
 DOUBLE_BACKWARD = ("Pipe does not support higher-order gradients (backward or autograd.grad "
                    "with create_graph=True); compute them on the unwrapped model")
+
+
+def pipeline_outputs(ctx: Any, outputs: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+    """In the forward of the Function that hands a call's outputs to the caller: no
+    zero-filled gradients, and the outputs that cannot have one marked so."""
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*(t for t in outputs
+                                  if not (t.is_floating_point() or t.is_complex())))
+    return outputs
+
+
+def refuse_create_graph() -> None:
+    """In that Function's backward: autograd runs it with grad on for ``create_graph``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD)
 
 
 class _Enter(torch.autograd.Function):
@@ -70,16 +86,11 @@ class _Exit(torch.autograd.Function):
     def forward(ctx: Any, used: List[bool], phony: Tensor,  # type: ignore[override]
                 *tensors: Tensor) -> Tuple[Tensor, ...]:
         ctx.used = used
-        ctx.set_materialize_grads(False)
-        outputs = tuple(t.detach() for t in tensors)
-        ctx.mark_non_differentiable(*(o for o in outputs
-                                      if not (o.is_floating_point() or o.is_complex())))
-        return outputs
+        return pipeline_outputs(ctx, tuple(t.detach() for t in tensors))
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        if torch.is_grad_enabled():  # autograd runs backward with grad on for create_graph
-            raise RuntimeError(DOUBLE_BACKWARD)
+        refuse_create_graph()
         if ctx.used[0]:
             raise RuntimeError(SECOND_BACKWARD)
         ctx.used[0] = True
