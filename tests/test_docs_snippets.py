@@ -69,6 +69,7 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_dp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=2 amp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_fsdp.py"): _PROCESSES,
+    ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_hsdp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_dp_tp.py"): _PROCESSES,
     ("docs/distributed.md", "bucket_cap_mb=4,"): _PROCESSES,
     ("docs/models.md", 'model = GPT2LMHeadModel.from_pretrained("gpt2")'):

@@ -139,20 +139,14 @@ class _ToDTensor(nn.Module):
 
 def _refused(rank: int, failures: Failures) -> None:
     """What is not supported yet raises, naming it, on the rank that has it."""
-    for case in ("hsdp", "dtensor activation"):
+    for case in ("dtensor activation",):
         # fresh groups per case: a failed call leaves its pipeline's groups unusable
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         pp, _ = mesh_groups(mesh)
         pipe = DistributedPipe(_model(), chunks=2, balance=[4, 4], group=pp)
-        if case == "hsdp":
-            hybrid = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "rep", "shard"))
-            for stage in pipe.stage_modules:
-                fully_shard(stage, mesh=hybrid["rep", "shard"])
-            expected: Any = (NotImplementedError, "fully_shard on a 1-D mesh only")
-        else:  # stage 0 sends a DTensor activation to stage 1
-            pipe.stage_modules[0].append(_ToDTensor(mesh["dp"]))
-            expected = ((TypeError, "would send a DTensor") if pipe.is_first
-                        else (PeerError, "stage 0 failed in the forward"))
+        pipe.stage_modules[0].append(_ToDTensor(mesh["dp"]))  # stage 0 sends a DTensor
+        expected: Any = ((TypeError, "would send a DTensor") if pipe.is_first
+                         else (PeerError, "stage 0 failed in the forward"))
         x, y = _batch(0)
         try:
             pipe.train_step(x[:8] if pipe.is_first else None, y[:8] if pipe.is_last else None,
@@ -168,7 +162,7 @@ def test_fsdp_stages() -> None:
     reshard_after_forward, with and without checkpointing, three AdamW steps: the gradients
     of every step and the parameters after it equal the single-process model's, reduced
     once per parameter group and step (not per micro-batch). And what
-    is not supported yet raises, naming it, instead of training silently wrong: HSDP, a
+    is not supported yet raises, naming it, instead of training silently wrong: a
     DTensor activation sent across a stage boundary (the
     sender's own TypeError; its peer hears that stage 0 failed)."""
     run_workers(_worker, 4, timeout=300)

@@ -4,8 +4,9 @@
 model; the ResNet with deferred BatchNorm under recomputation), a meta-built ResNet
 materialised from per-layer seeds, then a DCP checkpoint
 of the converted GPT-2 saved under one balance, loaded under another and into the plain
-model by its own keys; on 3 ranks the U-Net under zb_h1 (a skip over the middle stage)
-and GPT-2 (its tie spans the first and last stage)."""
+model by its own keys; on 3 ranks the U-Net under zb_h1 (a skip over the middle stage),
+the MLP under interleaved_1f1b, the ResNet under 1f1b and GPT-2 (its tie spans the first
+and last stage)."""
 from __future__ import annotations
 
 import copy
@@ -111,6 +112,11 @@ def _three(rank: int, world: int) -> None:
     # the U-Net's encoder features skip from stage 0 over stage 1 to stage 2, and back
     failures = Failures(rank, DOUBLE)
     _train(world, "unet", to_sequential(build("unet"), *example("unet")[:2]), "zb_h1",
+           failures)
+    # six stages over three ranks (two each), and BatchNorm with deferred statistics
+    _train(world, "mlp", to_sequential(build("mlp"), *example("mlp")[:2]),
+           "interleaved_1f1b", failures)
+    _train(world, "resnet", to_sequential(build("resnet"), *example("resnet")[:2]), "1f1b",
            failures)
     failures.finish()
     failures = Failures(rank, TOL["gpt2"])

@@ -4,7 +4,9 @@ The first ``train_step`` runs ``Auto``'s measuring schedule (a split one: it tim
 ``I`` and ``W`` of every stage) with an ``ActionTimer`` around each stage computation (not
 around the waits for data, which are the bubble, not the cost). At its end every rank adds
 its stages' times, in integer nanoseconds per action, into one table with an all-reduce over the
-pipeline group (and over the data-parallel group, so replicas agree too): integer sums do
+pipeline group and then over every group its stages are copied over (the data-parallel
+group, FSDP2's and ``replicate``'s mesh: ``MeshReduce``), so replicas and shards agree too:
+integer sums do
 not depend on the order of the reduction, so every rank holds the same costs, bit for bit,
 and ``Auto.choose``, deterministic, picks the same schedule everywhere. No object is pickled.
 From the next call on, each call of ``m`` micro-batches runs the pick for ``m``.
@@ -18,12 +20,13 @@ import logging
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.distributed.mesh_reduce import MeshReduce
 from seqpipe.schedule import AnySchedule, Phase, get_schedule
 from seqpipe.schedule.auto import Auto, AutoChoice, Costs
 
@@ -90,12 +93,11 @@ class AutoRunner:
     pick for each number of micro-batches."""
 
     def __init__(self, auto: Auto, num_ranks: int, num_stages: int,
-                 group: Optional[dist.ProcessGroup],
-                 data_parallel_group: Optional[dist.ProcessGroup],
+                 group: Optional[dist.ProcessGroup], mesh: Callable[[], MeshReduce],
                  device: torch.device) -> None:
         self.auto = auto
         self.num_ranks, self.num_stages = num_ranks, num_stages
-        self.group, self.data_parallel_group, self.device = group, data_parallel_group, device
+        self.group, self.mesh, self.device = group, mesh, device
         self.costs: Optional[Costs] = None
         self.choices: Dict[int, AutoChoice] = {}
 
@@ -114,10 +116,8 @@ class AutoRunner:
         return ActionTimer(self.device) if self.costs is None else None
 
     def decide(self, timer: ActionTimer, num_microbatches: int) -> None:
-        """Collective over the pipeline (and data-parallel) group, after a step of
-        ``num_microbatches`` that every rank completed: the costs, the same on every rank."""
+        """Collective over the whole mesh (``mesh``), after a step of ``num_microbatches``
+        that every rank completed: the costs, the same on every rank."""
         table = timer.table(self.num_stages, num_microbatches).to(self.device)
-        dist.all_reduce(table, group=self.group)
-        if self.data_parallel_group is not None:
-            dist.all_reduce(table, group=self.data_parallel_group)
+        self.mesh().sum_(table)
         self.costs = _costs(table.cpu())

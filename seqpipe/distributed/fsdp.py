@@ -24,10 +24,13 @@ runtime drives FSDP2 itself over a ``train_step``:
 So gradients are reduced once per step, averaged over the FSDP mesh, whatever the schedule
 and whichever ``reshard_after_forward`` the user chose; no ``GradSink`` aliases the stage's
 parameters (their hooks would never see the unsharded leaves). FSDP2 over tensor-parallel
-``DTensor`` parameters needs nothing more (``seqpipe.distributed.tensor_parallel``). What is
-not supported yet is refused by ``ShardedStep.check`` with the limitation named: HSDP (FSDP2
-on a mesh of more than one dimension), weights tied across ranks, ``schedule="auto"``,
-``PipeGradScaler`` and ``count_fn``.
+``DTensor`` parameters needs nothing more (``seqpipe.distributed.tensor_parallel``). The same
+protocol drives HSDP (``fully_shard`` on a 2-D (replicate, shard) mesh) and the FSDP2-style
+``replicate`` (``torch.distributed._composable.replicate_with_fsdp``), whose modules are
+``FSDPModule``s too; a failure reaches the replicas and shards in FSDP2's collectives through
+``seqpipe.distributed.fsdp_verdict``. What is not supported yet is refused by
+``ShardedStep.check`` with the limitation named: the DDP-based
+``torch.distributed._composable.replicate``, weights tied across ranks, and ``count_fn``.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Set
 from torch import Tensor
 
 from seqpipe.core.stage import Stage
+from seqpipe.distributed.fsdp_verdict import ShardedVerdicts
 from seqpipe.schedule import Action, Phase
 
 if TYPE_CHECKING:
@@ -60,22 +64,20 @@ def _is_dtensor(value: object) -> bool:
     return _instance(value, "torch.distributed.tensor", "DTensor")
 
 
-def check_parameters(stage: ShardedStage) -> None:
-    """Refuse, naming the limitation, a parameter of ``stage`` that FSDP2 shards on a mesh
-    of more than one dimension (HSDP), which this runtime does not drive yet. (A parameter
-    FSDP2 does not manage may be tensor-parallel: ``seqpipe.distributed.tensor_parallel``;
-    one FSDP2 shards over tensor parallelism is on a 1-D FSDP mesh and trains exactly.)"""
-    names = {id(p): name for name, p in stage.stage.partition.named_parameters()}
-    for group in stage._groups():
-        for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
-            data_mesh = fsdp_param.mesh_info.mesh
-            if data_mesh.ndim > 1:
-                name = names.get(id(fsdp_param.sharded_param))
-                raise NotImplementedError(
-                    f"stage {stage.stage.index}: parameter {name!r} is "
-                    f"sharded with FSDP2 on a {data_mesh.ndim}-D mesh "
-                    f"{data_mesh.mesh_dim_names} (HSDP); DistributedPipe supports fully_shard "
-                    f"on a 1-D mesh only yet (issue 25)")
+def check_parameters(stage: Stage) -> None:
+    """Refuse, naming it, a module of ``stage`` wrapped with the DDP-based
+    ``torch.distributed._composable.replicate`` (its reducer expects one forward, then one
+    backward, per step). FSDP2 (1-D mesh), HSDP (2-D) and the FSDP2-style ``replicate`` are
+    driven by ``ShardedStage``."""
+    for name, module in stage.partition.named_modules():
+        if _instance(module, "torch.distributed._composable.replicate", "DDP"):
+            raise NotImplementedError(
+                f"stage {stage.index}: module {name or 'the stage'!r} is wrapped with the "
+                f"DDP-based torch.distributed._composable.replicate, whose reducer expects "
+                f"one forward then one backward per step; use the FSDP2-style "
+                f"torch.distributed._composable.replicate_with_fsdp.replicate (as "
+                f"torch.distributed.pipelining does), or DistributedPipe's "
+                f"data_parallel_group")
 
 
 def _groups(states: List[object]) -> Iterator[object]:
@@ -134,9 +136,11 @@ class ShardedStage:
         for module in self.modules:
             module.unshard()
 
-    def reduce(self) -> None:
-        """After the stage's last backward of the step: one reduce-scatter per parameter
-        group, into the sharded parameters' ``.grad``; then reshard and reset FSDP."""
+    def reduce(self, verdicts: ShardedVerdicts) -> None:
+        """After the stage's last backward of the step (and ``verdicts``: every replica and
+        shard went well so far): one reduce-scatter per parameter group, into the sharded
+        parameters' ``.grad``; then reshard and reset FSDP."""
+        verdicts.end_reduce(self._groups())
         for module in self.modules:
             module.set_requires_gradient_sync(True, recurse=False)
             module.set_reshard_after_backward(True, recurse=False)
@@ -162,6 +166,12 @@ class ShardedStep:
                 self.stages[s] = ShardedStage(stage, modules)
             else:  # no longer sharded
                 stage.leaves = None
+        # a failure here reaches the replicas and shards in FSDP2's collectives
+        self.verdicts: Optional[ShardedVerdicts] = None
+        if self.stages:
+            self.verdicts = ShardedVerdicts(
+                [g for sharded in self.stages.values() for g in sharded._groups()],
+                next(iter(self.stages.values())).stage.device)
 
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
@@ -174,15 +184,14 @@ class ShardedStep:
                 for sharded in self.stages.values() for group in sharded._groups()
                 for fp in group.fsdp_params}  # type: ignore[attr-defined]
 
-    def check(self, *, auto: bool, scaled: bool, tied: bool, counted: bool) -> None:
+    def check(self, *, tied: bool, counted: bool) -> None:
         """Refuse what is not supported with sharded stages yet, naming it."""
-        for sharded in self.stages.values():
-            check_parameters(sharded)
+        for stage in self.all.values():
+            check_parameters(stage)
         if not self.stages:
             return
         stages = sorted(self.stages)
-        for unsupported, what in ((auto, "schedule='auto'"), (scaled, "PipeGradScaler"),
-                                  (tied, "weights tied across ranks"),
+        for unsupported, what in ((tied, "weights tied across ranks"),
                                   (counted, "count_fn (its count is not summed over the "
                                             "FSDP mesh)")):
             if unsupported:
@@ -205,8 +214,23 @@ class ShardedStep:
         if sharded is None:
             yield
             return
+        assert self.verdicts is not None
+        self.verdicts.action = (f"the {action.phase.value} of micro-batch {action.microbatch} "
+                                f"on stage {action.stage}")
         if action.phase is Phase.BACKWARD_WEIGHT:
             sharded.unshard()
         yield
         if self.last.get(action.stage) == n:
-            sharded.reduce()
+            sharded.reduce(self.verdicts)
+
+    def close(self) -> None:
+        """After the call closed on this rank: every replica and shard went well, or
+        ``PeerError`` (see ``seqpipe.distributed.fsdp_verdict``)."""
+        if self.verdicts is not None:
+            self.verdicts.action = "the end of the step"
+            self.verdicts.close()
+
+    def concede(self, text: str) -> None:
+        """This rank failed in the step (``text``): tell its replicas and shards."""
+        if self.verdicts is not None:
+            self.verdicts.concede(text)

@@ -13,7 +13,10 @@ This scaler keeps PyTorch's algorithm and changes two things:
   factor, and every rank's scaler is initialised (the returned loss stays unscaled);
 * whenever gradients are checked for inf/NaN (``unscale_``, ``step``, including the
   fused-optimizer path that skips ``unscale_``), the result is agreed, with a MAX
-  all-reduce, over the pipeline group and then the data-parallel group. Every rank then
+  all-reduce, over the pipeline group and then every group the stages are copied over
+  (``DistributedPipe.mesh_reduce``: the data-parallel group, and the mesh dimensions of
+  FSDP2-sharded, HSDP or replicated stages, so an inf on one rank skips the step on every
+  rank). Every rank then
   skips or takes the step together, and ``update()`` computes the same new scale
   everywhere. The same all-reduce carries the scale itself, so a rank whose scale differs
   (``load_state_dict`` or ``update(new_scale)`` on some ranks only) is reported on every
@@ -26,11 +29,14 @@ checking gradients, ``_unscale_grads_``, sees both paths.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Protocol
+from typing import TYPE_CHECKING, Dict, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from seqpipe.distributed.mesh_reduce import MeshReduce
 
 __all__ = ["PipeGradScaler", "backward_seed"]
 
@@ -47,6 +53,8 @@ class ScaledPipe(Protocol):
 
     @property
     def data_parallel_group(self) -> Optional[dist.ProcessGroup]: ...
+
+    def mesh_reduce(self) -> "MeshReduce": ...
 
 
 class PipeGradScaler(torch.amp.GradScaler):
@@ -69,18 +77,13 @@ class PipeGradScaler(torch.amp.GradScaler):
         self.pipeline_group = pipe.group
         self.data_parallel_group = pipe.data_parallel_group
         self.device = pipe.device
+        self.mesh_reduce = pipe.mesh_reduce  # the groups, as the parameters are then
         settings = torch.tensor([float(self._enabled), init_scale, growth_factor,
                                  backoff_factor, float(growth_interval)],
                                 dtype=torch.float64, device=pipe.device)
         _check_same(settings, self.pipeline_group, "stages")
-        if self.data_parallel_group is not None:
-            _check_same(settings, self.data_parallel_group, "replicas")
-
-    def _groups(self) -> List[Optional[dist.ProcessGroup]]:
-        groups = [self.pipeline_group]
-        if self.data_parallel_group is not None:
-            groups.append(self.data_parallel_group)
-        return groups
+        for group in self.mesh_reduce().groups:
+            _check_same(settings, group, "replicas")
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor,
                         found_inf: Tensor, allow_fp16: bool) -> Dict[torch.device, Tensor]:
@@ -92,8 +95,7 @@ class PipeGradScaler(torch.amp.GradScaler):
             flag += found.to(flag.device)
         scale, _ = self._check_scale_growth_tracker("_unscale_grads_")
         shared = torch.stack([flag.reshape(()), scale.reshape(()), -scale.reshape(())])
-        for group in self._groups():
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+        self.mesh_reduce().max_(shared)
         largest, negated = shared[1:].tolist()
         smallest = -negated
         if largest != smallest:

@@ -235,6 +235,7 @@ class CallLifecycle:
         weights = LossWeights([], [])
         targets: Optional[List[Any]] = None
         sharded = ShardedStep(self.stages)  # stages the user wrapped with fully_shard
+        call.sharded = sharded  # a failure here is told to their replicas and shards
         managed = sharded.managed()  # FSDP2 reduces these itself
         with call.guard("start of the step"):
             if self.reducer is not None:
@@ -243,8 +244,7 @@ class CallLifecycle:
             if self.tied is not None:
                 self.tied.set_aside()  # sum only what this step adds, of what is trained now
             batches, actions = self.open(call, input, chunks)
-            sharded.check(auto=self.auto is not None, scaled=call.seed is not None,
-                          tied=self.tied is not None, counted=count_fn is not None)
+            sharded.check(tied=self.tied is not None, counted=count_fn is not None)
             tensor_parallel.check(self.stages, managed, auto=self.auto is not None,
                                   scaled=call.seed is not None, tied=self.tied is not None)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
@@ -272,6 +272,7 @@ class CallLifecycle:
                 stage.finish_forward()
             loss = self.close(call, weights.report(torch.stack(call.losses).sum())
                               if self.is_last else None)
+            sharded.close()
             self._reduce(call.name())
         assert loss is not None
         return loss

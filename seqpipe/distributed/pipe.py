@@ -1,6 +1,7 @@
 """``DistributedPipe``: a pipeline's stages spread over processes, over ``torch.distributed``."""
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import replace
 from typing import Any, List, Optional, Sequence, Tuple, Union
@@ -18,6 +19,7 @@ from seqpipe.core.partition import check_balance, check_devices, verify_module
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.agreement import check_same_model
 from seqpipe.distributed.auto import AutoRunner
+from seqpipe.distributed.clip import clip_grad_norm_
 from seqpipe.distributed.comm_hook import CommHook
 from seqpipe.distributed.data_parallel import (
     GradientReducer,
@@ -28,6 +30,7 @@ from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.lifecycle import CallLifecycle
 from seqpipe.distributed.materialize import materialize
 from seqpipe.distributed.mesh import reverse_group
+from seqpipe.distributed.mesh_reduce import MeshReduce
 from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.tie_grads import TieGrads
@@ -204,7 +207,8 @@ class DistributedPipe(nn.Module):
                                     self.rank, group, data_parallel_group, self.device)
             self._tied.verify(tied_on_meta, at_construction=True)
         self._auto = (AutoRunner(self.schedule, self.num_ranks, self.num_stages, group,
-                                 data_parallel_group, self.device)
+                                 functools.partial(MeshReduce.of, group, partition,
+                                                   data_parallel_group), self.device)
                       if isinstance(self.schedule, Auto) else None)
         self._calls = CallLifecycle(self._stages, self._transport, layout, self.placement,
                                     self.schedule, chunks=self.chunks, group=group,
@@ -321,6 +325,27 @@ class DistributedPipe(nn.Module):
         return self._calls.train_step(input, target, loss_fn, seed, chunks=self.chunks,
                                       checkpoint=self.checkpoint if self.training else "never",
                                       count_fn=count_fn)
+
+    def mesh_reduce(self) -> MeshReduce:
+        """All-reduces over this pipe's whole mesh: the pipeline group, then every group its
+        stages are copied over (``data_parallel_group``, the mesh dimensions of ``DTensor``
+        parameters: FSDP2, HSDP, ``replicate``), read from the parameters now."""
+        return MeshReduce.of(self.group, self, self.data_parallel_group)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every
+        stage's gradients, each parameter once (summed over stages and shards, not over
+        replicas or tied copies), the same on every rank and equal to the single-process
+        model's; every rank's gradients are scaled by the same factor. Collective: call it
+        on every rank of the mesh, after ``train_step`` (after ``scaler.unscale_`` under a
+        ``PipeGradScaler``). Returns the total norm (a float64 0-dim tensor)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        elsewhere = {id(params[name]) for tie in self.ties if tie.stages[0] != self.rank
+                     for name in tie.names if name in params}
+        return clip_grad_norm_(list(self.parameters()), self.mesh_reduce(), self.device,
+                               max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
+                               elsewhere=elsewhere)
 
     @torch.no_grad()
     def forward(self, input: Optional[TensorOrTensors] = None) -> Optional[TensorOrTensors]:

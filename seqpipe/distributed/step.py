@@ -53,6 +53,7 @@ from seqpipe.skip.tracker import SkipKey
 
 if TYPE_CHECKING:
     from seqpipe.distributed.data_parallel import GradientReducer
+    from seqpipe.distributed.fsdp import ShardedStep
 
 __all__ = ["Call", "LossFn", "describe"]
 
@@ -87,6 +88,7 @@ class Call(Tasks):
     timer: Optional[ActionTimer] = None  # times each stage computation (schedule="auto")
     replica: Optional[int] = None  # this pipeline's index in the data-parallel group
     reducer: Optional["GradientReducer"] = None  # told of a failure, for the replicas
+    sharded: Optional["ShardedStep"] = None  # told too, for FSDP2's replicas and shards
 
     @property
     def rank(self) -> int:
@@ -267,6 +269,8 @@ class Call(Tasks):
         self.transport.abort(text, heard_from)
         if self.reducer is not None:
             self.reducer.concede(text)
+        if self.sharded is not None:
+            self.sharded.concede(text)
 
 
 def describe(action: Action) -> str:
