@@ -9,9 +9,6 @@ cores. ``Pipe`` now gives each of the ``K`` concurrent CPU stages ``max(1, T // 
 
 * ``plain``: the unwrapped model at ``T`` threads;
 * ``shared``: ``Pipe`` at torch's default count, as a user gets it now;
-* ``fixed share``: the same ``Pipe`` with every action at its share, also those during
-  which no other stage can compute (the behaviour before ``IntraOp``: a stage alone in the
-  pipeline's fill or drain used 1 of the 2 cores);
 * ``T per stage``: the same ``Pipe`` with the split turned off (every stage ``T`` threads,
   the behaviour before the fix);
 * ``1 thread``: the caller set ``torch.set_num_threads(1)`` (the issue's 188 ms regime);
@@ -49,21 +46,16 @@ def _pipe(model: nn.Sequential, chunks: int) -> Pipe:
                 devices=["cpu", "cpu"])
 
 
-def _at(threads: int, step: Callable[[], None], split: bool = True,
-        alone: bool = True) -> Callable[[], None]:
+def _at(threads: int, step: Callable[[], None], split: bool = True) -> Callable[[], None]:
     def run() -> None:
         torch.set_num_threads(threads)
         default = thread_state._DEFAULT_THREADS
-        intra_op = thread_state.ThreadState.intra_op
         if not split:  # the caller's count no longer looks like the default: kept per stage
             thread_state._DEFAULT_THREADS = -1
-        if not alone:  # every action at its share, also where it computes alone
-            thread_state.ThreadState.intra_op = lambda self, all_cpu: None  # type: ignore
         try:
             step()
         finally:
             thread_state._DEFAULT_THREADS = default
-            thread_state.ThreadState.intra_op = intra_op  # type: ignore[method-assign]
             torch.set_num_threads(DEFAULT_THREADS)
     return run
 
@@ -78,7 +70,6 @@ def variants(width: int, depth: int, batch: int, chunks: int) -> Dict[str, Calla
     out = {
         "plain": _at(DEFAULT_THREADS, stepper(clone(model))),
         "shared": _at(DEFAULT_THREADS, stepper(_pipe(clone(model), chunks))),
-        "fixed share": _at(DEFAULT_THREADS, stepper(_pipe(clone(model), chunks)), alone=False),
         "T per stage": _at(DEFAULT_THREADS, stepper(_pipe(clone(model), chunks)), split=False),
         "1 thread": _at(1, stepper(_pipe(clone(model), chunks))),
     }
@@ -124,7 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name, s in quiet.items():
         print(f"{name:<12} {s.median * 1e3:>9.1f} {s.iqr * 1e3:>7.1f} "
               f"{args.batch / s.median:>9.0f} {s.cores_used:>5.2f}")
-    for other in ("fixed share", "T per stage", "1 thread", "torchgpipe", "plain"):
+    for other in ("T per stage", "1 thread", "torchgpipe", "plain"):
         if other in samples:
             ratio = paired_ratio(samples[other], samples["shared"], max_foreign=max_foreign)
             print(f"shared is {ratio:.2f}x as fast as {other} (median of paired rounds)")
