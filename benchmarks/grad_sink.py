@@ -13,11 +13,12 @@ call per torch operation of the forward. This script times, interleaved in one p
 * ``plain+hook``, ``sink+hook``: the same with a no-op ``register_post_accumulate_grad_hook``
   on every parameter (``open_sink`` then gives an ``AliasSink``): the cost of keeping hooks
   exact;
-* ``pipe``, ``pipe+hook``: the whole engine, a one-partition ``Pipe`` with ``chunks=1``
-  (forward, ``loss.backward()``), without and with the hooks: the sink plus the engine's
-  fixed cost per call (``overhead.py`` measures that alone, on a model big enough to hide
-  it); ``pipe/aliases``: the same ``Pipe`` made to use an ``AliasSink`` without hooks,
-  as every call did before the ``DirectSink``.
+* ``pipe``, ``pipe+hook``: a one-partition ``Pipe`` with ``chunks=1`` (forward,
+  ``loss.backward()``), without and with the hooks. One micro-batch of one partition runs
+  as the plain model (``seqpipe/local/direct.py``), hooks or not; ``pipe/engine``: the
+  same call made to go through the engine (the sink, the worker machinery, the nested
+  backward: what it did before); ``pipe/aliases``: the engine with an ``AliasSink``
+  without hooks, as every call did before the ``DirectSink``.
 
 The sums are set as ``.grad`` at the end (in a ``Pipe`` the outer backward accumulates
 them, as it accumulates the plain model's gradients), so ``sink+hook`` skips the 48 no-op
@@ -44,6 +45,7 @@ import torch
 from _common import clone, interleave, make_model, paired_ratio, pin_malloc
 from torch import Tensor, nn
 
+import seqpipe.pipe
 from seqpipe import Pipe
 from seqpipe.core.sink import AliasSink, GradSink, open_sink
 
@@ -95,6 +97,19 @@ def aliased(pipe: Pipe) -> Pipe:
     return pipe
 
 
+def engine(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the one-micro-batch direct call off: every call through the engine
+    (``seqpipe.local.direct``; what every one-partition call did before)."""
+    def run() -> None:
+        direct = seqpipe.pipe.runs_direct
+        seqpipe.pipe.runs_direct = lambda *args: False  # type: ignore[assignment]
+        try:
+            step()
+        finally:
+            seqpipe.pipe.runs_direct = direct
+    return run
+
+
 def hooked(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: None)
@@ -120,7 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "sink+hook": sink_step(hooked(clone(model)), x, open_sink),
         "pipe": plain_step(piped(clone(model)), x),
         "pipe+hook": plain_step(hooked(piped(clone(model))), x),
-        "pipe/aliases": plain_step(aliased(piped(clone(model))), x),
+        "pipe/aliases": engine(plain_step(aliased(piped(clone(model))), x)),
+        "pipe/engine": engine(plain_step(piped(clone(model)), x)),
     }
     samples = interleave(variants, rounds=args.rounds, warmup=args.warmup)
     print(f"# {args.model}, {args.rounds} interleaved rounds, one intra-op thread")
@@ -128,8 +144,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{name:<12} median {s.median * 1e3:8.2f} ms  "
               f"cpu {statistics.median(s.cpu) * 1e3:8.2f} ms")
     for a, b in (("direct", "plain"), ("aliases", "plain"), ("sink+hook", "plain+hook"),
-                 ("pipe", "plain"), ("pipe+hook", "plain+hook"), ("pipe/aliases", "plain"),
-                 ("pipe", "pipe/aliases")):
+                 ("pipe", "plain"), ("pipe+hook", "plain+hook"), ("pipe/engine", "plain"),
+                 ("pipe/aliases", "plain"), ("pipe", "pipe/engine")):
         cpu = paired_ratio(samples[a], samples[b], cpu=True)
         wall = paired_ratio(samples[a], samples[b])
         print(f"{a} / {b}: CPU time {cpu:.4f}, wall {wall:.4f}")

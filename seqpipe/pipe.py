@@ -23,6 +23,7 @@ from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import LossFn
 from seqpipe.graph.origin import Origin, model_output
+from seqpipe.local.direct import pipeline_outputs, refuse_create_graph, run_direct, runs_direct
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -45,17 +46,11 @@ class _PipeFunction(torch.autograd.Function):
     def forward(ctx: Any, call: "_Call", *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
         outputs = call.forward()
         ctx.call = call
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*(t for t in outputs
-                                      if not (t.is_floating_point() or t.is_complex())))
-        return outputs
+        return pipeline_outputs(ctx, outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        if torch.is_grad_enabled():  # autograd runs backward with grad on for create_graph
-            raise RuntimeError(
-                "Pipe does not support higher-order gradients (backward or autograd.grad "
-                "with create_graph=True); compute them on the unwrapped model")
+        refuse_create_graph()
         return (None, *ctx.call.backward(grads))
 
 
@@ -250,7 +245,16 @@ class Pipe(nn.Module):
             return self._run_step(step)
         given = Input.of(input)
         batch = given.batch
-        sink = self._pipeline.open_sink() if torch.is_grad_enabled() else None
+        pipeline = self._pipeline
+        if len(pipeline.stages) == 1:  # one micro-batch: maybe the plain model's graph
+            grad = torch.is_grad_enabled() and (
+                any(t.requires_grad for t in batch.tensors)
+                or any(p.requires_grad for p in self.parameters()))
+            stop = checkpoint_stop(self.checkpoint if self.training and grad else "never", 1)
+            if runs_direct(pipeline.stages, given, self.chunks, stop, pipeline.isolate_rng):
+                shape, outputs = run_direct(pipeline.stages[0], given, grad)
+                return shape.like(outputs).value
+        sink = pipeline.open_sink() if torch.is_grad_enabled() else None
         grad = sink is not None and (
             bool(sink.params) or any(t.requires_grad for t in batch.tensors))
         call = _Call(self, given, sink, grad)

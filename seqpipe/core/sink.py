@@ -61,8 +61,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["GradSink", "AliasSink", "DirectSink", "open_sink", "needs_aliases", "step_aware",
-           "trainable"]
+__all__ = ["GradSink", "AliasSink", "DirectSink", "ddp_forward_running", "open_sink",
+           "needs_aliases", "step_aware", "trainable"]
 
 # What stays with the real parameter: its autograd metadata and identity, not its values.
 _KEEP = frozenset({
@@ -340,7 +340,7 @@ def _has_hooks(param: Tensor) -> bool:
     return False
 
 
-def _ddp_forward_running() -> bool:
+def ddp_forward_running() -> bool:
     """Whether a ``DistributedDataParallel`` forward is running (its reducer then expects
     each parameter's gradient once, through hooks no Python attribute shows). Looked up,
     not imported: a process that never imported DDP runs none."""
@@ -357,7 +357,7 @@ def needs_aliases(params: Iterable[Tensor]) -> bool:
     with torch._C.DisableTorchFunctionSubclass():  # a subclass's override sees no lookups
         if any(_has_hooks(p) for p in params):
             return True
-    return _ddp_forward_running()
+    return ddp_forward_running()
 
 
 def open_sink(partitions: Sequence[nn.Module]) -> GradSink:

@@ -185,6 +185,12 @@ class Stage:
             return call(tuple(t.clone() for t in tensors) if protect else tensors)
         return run
 
+    def run_inline(self, inputs: Batch, tracker: StageSkipTracker) -> Sent:
+        """The whole partition on ``inputs``, not checkpointed, in the current grad mode
+        and graph (no entry node): a one-micro-batch call run as the plain model
+        (``seqpipe.local.direct``)."""
+        return self._sent(self._call(tracker, inputs)(*inputs.tensors), tracker)
+
     def _layers(self, tracker: StageSkipTracker,
                 sink: Optional[GradSink]) -> Callable[[nn.Module, Any], Any]:
         """Runs some of the partition's layers (all, or a segment) with the task's tracker."""

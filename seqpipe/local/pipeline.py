@@ -22,6 +22,7 @@ from seqpipe.core.rng import draw_seeds, needs_private_rng
 from seqpipe.core.sink import GradSink, open_sink
 from seqpipe.core.stage import Stage, moved
 from seqpipe.core.tasks import LossFn
+from seqpipe.local.direct import SECOND_BACKWARD
 from seqpipe.local.step import LocalRun, LocalStep
 from seqpipe.local.thread_state import ThreadState
 from seqpipe.local.worker import Program, run_groups
@@ -114,9 +115,7 @@ class LocalPipeline:
         calling thread, which owns their device's autograd queue during a backward.
         """
         if not run.states and run.grad:
-            raise RuntimeError(
-                "this pipeline output was already backpropagated; its activations are freed. "
-                "Run the forward again (there is no retain_graph for a Pipe)")
+            raise RuntimeError(SECOND_BACKWARD)
         m, k = run.num_microbatches, len(self.stages)
         run.input_grads = [()] * m
         hooks.resume_step(run.trace_step)

@@ -1,0 +1,137 @@
+"""A call with one partition and one micro-batch, on the CPU: the plain model's graph.
+
+With one partition and one micro-batch there is nothing to pipeline and nothing to add
+up: the engine's worker machinery, its gradient sink (whose job is to make hooks fire once
+over several micro-batches) and its nested backward cost about 1.4 ms per training step
+(a fifth of a step of four small ``TransformerEncoderLayer``s) and buy nothing. Such a call
+(``Pipe.forward`` with ``chunks=1`` or a one-sample batch, no checkpoint for it, no trace
+recording or profiler, no ``DistributedDataParallel`` forward) runs its partition on the
+caller's thread directly in the caller's autograd graph, so the backward is the plain
+model's: each parameter's gradient accumulates into ``.grad`` once, its hooks fire once.
+
+Two identity autograd Functions keep what a caller can see of the engine's call:
+
+* ``_Enter``: the input tensors that want a gradient enter as non-leaf tensors (no copy),
+  so a first layer may modify its input in place as it may in the engine (``_Receive``);
+  gradients pass straight through.
+* ``_Exit``: the outputs leave as new tensors (never one the caller passed in), requiring
+  grad whenever the call does (as the engine's ``_PipeFunction`` outputs do), and its
+  backward refuses what the engine refuses: ``create_graph=True`` and a second backward
+  through the same output, with the engine's messages.
+
+What differs from the engine, by construction (the plain model's behaviour): a tensor
+outside the pipe that a layer holds (a leaf that is not a parameter of the pipe, or a
+value of the caller's graph) gets its gradient, where the engine's stage backward, limited
+to the pipe's own parameters and inputs, leaves it out; a layer checkpointing itself with
+``use_reentrant=True`` works instead of raising ``ReentrantCheckpointError``; and an
+exception raised inside the partition's backward carries no seqpipe note.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from seqpipe.core.microbatch import Batch, Input, gather
+from seqpipe.core.sink import ddp_forward_running
+from seqpipe.core.stage import Stage, wants_grad
+from seqpipe.skip.tracker import StageSkipTracker
+from seqpipe.trace import hooks
+
+__all__ = ["DOUBLE_BACKWARD", "SECOND_BACKWARD", "pipeline_outputs", "refuse_create_graph",
+           "runs_direct", "run_direct"]
+
+# What the engine and the direct call refuse, in the same words.
+SECOND_BACKWARD = ("this pipeline output was already backpropagated; its activations are "
+                   "freed. Run the forward again (there is no retain_graph for a Pipe)")
+DOUBLE_BACKWARD = ("Pipe does not support higher-order gradients (backward or autograd.grad "
+                   "with create_graph=True); compute them on the unwrapped model")
+
+
+def pipeline_outputs(ctx: Any, outputs: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+    """In the forward of the Function that hands a call's outputs to the caller: no
+    zero-filled gradients, and the outputs that cannot have one marked so."""
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*(t for t in outputs
+                                  if not (t.is_floating_point() or t.is_complex())))
+    return outputs
+
+
+def refuse_create_graph() -> None:
+    """In that Function's backward: autograd runs it with grad on for ``create_graph``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
+class _Enter(torch.autograd.Function):
+    """The received tensors as non-leaf tensors on their own storage; gradients pass."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        outputs = tuple(t.detach() for t in tensors)
+        ctx.mark_non_differentiable(*(o for o, t in zip(outputs, tensors) if not wants_grad(t)))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        return grads
+
+
+class _Exit(torch.autograd.Function):
+    """The outputs as new tensors; refuses double and second backwards (see the module)."""
+
+    @staticmethod
+    def forward(ctx: Any, used: List[bool], phony: Tensor,  # type: ignore[override]
+                *tensors: Tensor) -> Tuple[Tensor, ...]:
+        ctx.used = used
+        return pipeline_outputs(ctx, tuple(t.detach() for t in tensors))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        refuse_create_graph()
+        if ctx.used[0]:
+            raise RuntimeError(SECOND_BACKWARD)
+        ctx.used[0] = True
+        return (None, None, *grads)
+
+
+def runs_direct(stages: Sequence[Stage], given: Input, chunks: int, checkpoint_stop: int,
+                isolate_rng: bool) -> bool:
+    """Whether a ``Pipe`` call of ``given`` can run as the plain model (module docstring):
+    one ``cpu`` stage, one micro-batch with every tensor on the CPU, no checkpoint, no
+    private RNG, nothing tracing, no ``DistributedDataParallel`` forward."""
+    if len(stages) != 1 or stages[0].device.type != "cpu" or checkpoint_stop or isolate_rng:
+        return False
+    cut = given.cut
+    if not cut or min(chunks, cut[0].shape[0]) != 1:
+        return False
+    if any(t.device.type != "cpu" for t in given.batch.tensors):
+        return False
+    return not hooks.enabled() and not ddp_forward_running()
+
+
+def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Tensor, ...]]:
+    """Run ``stage``'s partition on ``given`` as one micro-batch in the caller's graph (with
+    ``grad``; else under ``no_grad``); its deferred BatchNorm statistics committed (or
+    dropped on failure). Returns the output's shape (its tensors left out) and tensors."""
+    tensors = given.batch.tensors
+    if grad and any(wants_grad(t) for t in tensors):
+        tensors = _Enter.apply(*tensors)
+    tracker = StageSkipTracker(stage.crossing, {})
+    try:
+        with torch.enable_grad() if grad else torch.no_grad():
+            sent = stage.run_inline(given.batch.like(tensors), tracker)
+    except BaseException as exc:
+        stage.finish_forward(failed=True)
+        if isinstance(exc, Exception):
+            exc.add_note(f"seqpipe: raised by stage {stage.index} in the forward of "
+                         f"micro-batch 0")
+        raise
+    stage.finish_forward()
+    gathered = Batch.of(gather([sent.outputs]))
+    if not grad:
+        return gathered.like(()), tuple(t.detach() for t in gathered.tensors)
+    phony = torch.empty(0, requires_grad=True)  # the outputs require grad, as the engine's
+    return gathered.like(()), _Exit.apply([False], phony, *gathered.tensors)
