@@ -1,13 +1,15 @@
 """DistributedPipe stages split with tensor parallelism (``parallelize_module``, DTensor
 parameters), on 4 gloo processes: pp=2 × tp=2 under three schedules; pp × dp × tp through
 seqpipe's own reducer and FSDP2 over TP (pp=1, 4 processes); each three AdamW steps equal to
-the single-process model. What is not combined with TP yet (``auto``, a DTensor crossing
-a stage boundary) is refused, naming it."""
+the single-process model; pp=2 × tp=2 under ``auto`` (one pick everywhere) with
+``clip_grad_norm_``, and a ``PipeGradScaler`` skipping a step for one tp rank's inf. A
+DTensor crossing a stage boundary is refused, naming it."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
+import torch.distributed as dist
 from test_fsdp import _batch, _full  # the same data as the FSDP2 stages' test
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -16,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from distributed_harness import Failures, run_workers
-from seqpipe.distributed import DistributedPipe, mesh_groups
+from seqpipe.distributed import DistributedPipe, PipeGradScaler, mesh_groups
 from seqpipe.distributed.transport import PeerError
 
 TOL = dict(rtol=1e-6, atol=1e-9)
@@ -51,11 +53,12 @@ def _split(pipe: DistributedPipe, tp: DeviceMesh) -> None:
 
 
 def _train(pipe: DistributedPipe, replica: int, replicas: int, failures: Failures,
-           what: str, hooked: bool = False) -> None:
+           what: str, hooked: bool = False, clip: bool = False) -> None:
     """Three AdamW steps on ``pipe`` (this replica's share of each batch) and on the
     single-process model (the whole batch): gradients and parameters equal. ``hooked``:
     a post-accumulate hook on every parameter fires once per step (the micro-batches
-    accumulate into aliases of the DTensor parameters first)."""
+    accumulate into aliases of the DTensor parameters first). ``clip``: the gradients
+    clipped (``pipe.clip_grad_norm_``), the norm the model's ``clip_grad_norm_``."""
     reference = _model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
@@ -78,6 +81,10 @@ def _train(pipe: DistributedPipe, replica: int, replicas: int, failures: Failure
                         nn.functional.mse_loss)
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
+        if clip:  # a norm below the gradients': every rank scales by the same factor
+            norm = pipe.clip_grad_norm_(0.05)
+            expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+            failures.close(norm, expected, f"{what}: step {step}: the clipped norm")
         failures.expect(not hooked or set(fired.values()) == {1},
                         f"{what}: step {step}: the hooks fired {fired}, not once each")
         for name, param in mine.items():
@@ -104,17 +111,15 @@ def _worker(rank: int, world: int) -> None:
         _split(pipe, mesh["tp"])
         _train(pipe, 0, 1, failures, f"pp=2 x tp=2, {schedule}, checkpoint={checkpoint}",
                hooked=schedule == "zb_h1")
-    pipe = DistributedPipe(_model(), chunks=2, balance=[3, 3], schedule="auto", group=pp)
+    # auto: the costs are summed over tp too, so every rank picks the same schedule
+    pipe = DistributedPipe(_model(), chunks=4, balance=[3, 3], schedule="auto", group=pp)
     _split(pipe, mesh["tp"])
-    x, y = _batch(0)
-    try:
-        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
-                        nn.functional.mse_loss)
-    except NotImplementedError as exc:
-        failures.expect("tensor parallelism" in str(exc) and "schedule='auto'" in str(exc),
-                        f"auto: {exc}")
-    else:
-        failures.expect(False, "schedule='auto' with a tensor-parallel stage trained")
+    _train(pipe, 0, 1, failures, "pp=2 x tp=2, auto, clipped", clip=True)
+    picks: List[Any] = [None] * 4
+    dist.all_gather_object(picks, str(pipe.auto_choice))
+    failures.expect(len(set(picks)) == 1 and picks[0] != "None",
+                    f"auto: the ranks picked {picks}")
+    _scaled(mesh, pp, failures)
     # pp=1 × dp=2 × tp=2: the data-parallel dimension through seqpipe's own reducer (it
     # averages the local shards) or FSDP2 over the tensor-parallel parameters
     cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
@@ -133,6 +138,43 @@ def _worker(rank: int, world: int) -> None:
     _train(pipe, replica, 2, failures, "fsdp=2 x tp=2")
     _dtensor_activation(failures)
     failures.finish()
+
+
+def _scaled(mesh: DeviceMesh, pp: Any, failures: Failures) -> None:
+    """PipeGradScaler with tensor-parallel stages: an inf in one tp rank's shard skips the
+    step on every rank, which all back off; the next step trains as the model's."""
+    pipe = DistributedPipe(_model(), chunks=2, balance=[3, 3], group=pp)
+    _split(pipe, mesh["tp"])
+    scaler = PipeGradScaler(pipe, init_scale=2.0**8)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = _batch(step)
+        opt.zero_grad()
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        nn.functional.mse_loss, scaler=scaler)
+        if step == 0 and dist.get_rank() == 3:  # stage 1, tp rank 1 only
+            split = next(p for p in pipe.parameters() if isinstance(p, DTensor))
+            split.grad.to_local().view(-1)[0] = float("inf")
+        before = [_full(p.detach()) for p in pipe.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        expected = 2.0**7
+        if step == 0:
+            after = [_full(p.detach()) for p in pipe.parameters()]
+            failures.expect(all(torch.equal(a, b) for a, b in zip(after, before)),
+                            "scaler: a rank stepped although a tp rank found an inf")
+        else:
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+            theirs = dict(reference.named_parameters())
+            for name, param in pipe.named_parameters():
+                failures.close(_full(param.detach()), theirs[name].detach(),
+                               f"scaler: {name} after the step that was taken")
+        failures.expect(scaler.get_scale() == expected,
+                        f"scaler: step {step}: scale {scaler.get_scale()}, not {expected}")
 
 
 def _dtensor_activation(failures: Failures) -> None:
@@ -162,8 +204,10 @@ def test_tensor_parallel_stages() -> None:
     """pp=2 × tp=2 on 4 processes under 1f1b, zb_h1 (split backward) and interleaved_1f1b
     (two stages per rank), with each checkpointing mode: the gradients of three AdamW steps
     and the parameters after each equal the single-process model's (under zb_h1 with a
-    hook on every parameter, which fires once per step); ``schedule='auto'``
-    with a tensor-parallel stage raises, naming it. And dp=2 × tp=2 (a one-stage pipe):
+    hook on every parameter, which fires once per step); under ``schedule='auto'`` every
+    rank picks the same schedule and trains exactly, ``clip_grad_norm_`` giving the model's
+    norm; an inf in one tp rank's gradient skips a ``PipeGradScaler``'s step on every rank
+    (both used to be refused). And dp=2 × tp=2 (a one-stage pipe):
     seqpipe's data-parallel reducer averages the DTensor parameters' local shards (it used
     to leave them out, unreduced), and FSDP2 over the tensor-parallel blocks trains exactly.
     A DTensor stage output is refused on the sending stage, naming the mend."""

@@ -15,8 +15,9 @@ This scaler keeps PyTorch's algorithm and changes two things:
   fused-optimizer path that skips ``unscale_``), the result is agreed, with a MAX
   all-reduce, over the pipeline group and then every group the stages are copied over
   (``DistributedPipe.mesh_reduce``: the data-parallel group, and the mesh dimensions of
-  FSDP2-sharded, HSDP or replicated stages, so an inf on one rank skips the step on every
-  rank). Every rank then
+  FSDP2-sharded, HSDP, replicated or tensor-parallel stages, so an inf on one rank skips
+  the step on every rank; each rank checks its ``DTensor`` gradients' local shards). Every
+  rank then
   skips or takes the step together, and ``update()`` computes the same new scale
   everywhere. The same all-reduce carries the scale itself, so a rank whose scale differs
   (``load_state_dict`` or ``update(new_scale)`` on some ranks only) is reported on every
@@ -29,11 +30,15 @@ checking gradients, ``_unscale_grads_``, sees both paths.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Dict, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from seqpipe.distributed.fsdp import _is_dtensor
+from seqpipe.distributed.tensor_parallel import local
 
 if TYPE_CHECKING:
     from seqpipe.distributed.mesh_reduce import MeshReduce
@@ -89,7 +94,8 @@ class PipeGradScaler(torch.amp.GradScaler):
                         found_inf: Tensor, allow_fp16: bool) -> Dict[torch.device, Tensor]:
         """Check (and unscale) this rank's gradients, then agree on ``found_inf`` with
         every other rank: one flag, on the scale's device, the same everywhere."""
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        per_device = super()._unscale_grads_(_local_shards(optimizer),  # type: ignore[arg-type]
+                                             inv_scale, found_inf, allow_fp16)
         flag = found_inf.clone()
         for found in per_device.values():
             flag += found.to(flag.device)
@@ -105,6 +111,26 @@ class PipeGradScaler(torch.amp.GradScaler):
                 f"PipeGradScaler must change on every rank together: call load_state_dict "
                 f"and update(new_scale) on every rank with the same value")
         return {flag.device: shared[0].reshape(found_inf.shape)}
+
+
+def _local_shards(optimizer: torch.optim.Optimizer) -> SimpleNamespace:
+    """``optimizer``'s parameter groups as ``GradScaler._unscale_grads_`` reads them, with
+    each ``DTensor`` parameter (FSDP2, tensor parallelism) replaced by its local shard
+    holding its gradient's local shard (storage shared: unscaling it unscales the
+    gradient). One foreach call cannot take plain tensors and ``DTensor``s together, and
+    ``found_inf`` is agreed over the whole mesh afterwards, so each rank checks its own
+    shards."""
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            if _is_dtensor(param) and param.grad is not None:
+                shard = local(param)
+                shard.grad = local(param.grad)
+                param = shard
+            params.append(param)
+        groups.append({"params": params})
+    return SimpleNamespace(param_groups=groups)
 
 
 def backward_seed(scaler: Optional[PipeGradScaler], pipe: ScaledPipe) -> Optional[Tensor]:

@@ -248,8 +248,7 @@ class CallLifecycle:
                 self.tied.set_aside()  # sum only what this step adds, of what is trained now
             batches, actions = self.open(call, input, chunks)
             sharded.check(tied=self.tied is not None, counted=count_fn is not None)
-            tensor_parallel.check(self.stages, managed, auto=self.auto is not None,
-                                  scaled=call.seed is not None, tied=self.tied is not None)
+            tensor_parallel.check(self.stages, managed, tied=self.tied is not None)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
                 replicas = None if self.reducer is None else self.reducer.replicas(self.device)

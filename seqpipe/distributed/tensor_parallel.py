@@ -18,11 +18,11 @@ What this module adds:
   parallelism) averages a tensor-parallel parameter's **local shard** (``local``): every
   replica of a stage holds the same shard, so averaging the shards averages the
   parameter. It leaves out only what FSDP2 reduces itself (``reducible``).
-* ``check`` refuses, naming the limitation, what would go wrong because the ranks of a
-  tensor-parallel group are in different pipelines that agree on nothing but the
-  schedule yet: ``schedule="auto"`` (each pipeline would pick its own), a
-  ``PipeGradScaler`` (each would skip steps on its own shards' overflow) and weights
-  tied across ranks.
+* ``check`` refuses, naming the limitation, weights tied across ranks with a
+  tensor-parallel stage (their copies' sum is over the pipeline group only). What every
+  rank must agree on (``schedule="auto"``'s costs, a ``PipeGradScaler``'s ``found_inf``)
+  and the gradient norm are reduced over the tensor-parallel dimension too: it is one of
+  the mesh dimensions of the stages' ``DTensor`` parameters (``MeshReduce``).
 * ``refuse_dtensors``: a ``DTensor`` activation or gradient does not cross a stage boundary
   yet (the receiving rank would need its own mesh to rebuild it on); the sending stage
   raises, naming the mend, rather than its peer failing on a garbled message.
@@ -79,26 +79,20 @@ def _tensor_parallel(stage: Stage, managed: Mapping[int, int]) -> List[str]:
             if _is_dtensor(param) and param.device_mesh.ndim > managed.get(id(param), 0)]
 
 
-def check(stages: Mapping[int, Stage], managed: Mapping[int, int], *, auto: bool,
-          scaled: bool, tied: bool) -> None:
+def check(stages: Mapping[int, Stage], managed: Mapping[int, int], *, tied: bool) -> None:
     """Refuse, naming it, what ``DistributedPipe`` does not combine with tensor-parallel
-    stages (``_tensor_parallel``, FSDP2 over them included) yet; see the module
-    docstring. ``managed``: ``ShardedStep.managed()``."""
+    stages (``_tensor_parallel``, FSDP2 over them included) yet: weights tied across ranks.
+    ``managed``: ``ShardedStep.managed()``."""
     split = {s: names for s, stage in stages.items()
              if (names := _tensor_parallel(stage, managed))}
-    if not split:
+    if not split or not tied:
         return
     s, names = next(iter(split.items()))
-    for unsupported, what in ((auto, "schedule='auto' (each tensor-parallel rank's "
-                                     "pipeline would pick its own schedule)"),
-                              (scaled, "a PipeGradScaler (found_inf is not agreed over "
-                                       "the tensor-parallel ranks)"),
-                              (tied, "weights tied across ranks")):
-        if unsupported:
-            raise NotImplementedError(
-                f"stage {s} is split with tensor parallelism (parameter {names[0]!r} is a "
-                f"DTensor: parallelize_module), which DistributedPipe does not combine "
-                f"with {what} yet (issue 25); name a schedule, or do not split the stage")
+    raise NotImplementedError(
+        f"stage {s} is split with tensor parallelism (parameter {names[0]!r} is a DTensor: "
+        f"parallelize_module), which DistributedPipe does not combine with weights tied "
+        f"across ranks yet (issue 25; the copies' gradients are summed over the pipeline "
+        f"group only): untie them, or do not split the stage")
 
 
 def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
