@@ -1,7 +1,8 @@
 """DistributedPipe over a whole mesh, on 4 gloo processes (one launch): stages wrapped with
 the FSDP2-style ``replicate`` and HSDP train exactly as the single-process model; the
 schedule ``auto`` picks, ``PipeGradScaler``'s ``found_inf`` and ``clip_grad_norm_`` agree over
-every mesh dimension; what is not supported is refused."""
+every mesh dimension, ``count_fn``'s count over FSDP2's; what is not supported is
+refused."""
 from __future__ import annotations
 
 import time
@@ -211,6 +212,32 @@ def _clipped(failures: Failures) -> None:
         _grads(failures, pipe, reference, f"{what}: clipped")
 
 
+def _masked_sum(output: Tensor, target: Tuple[Tensor, Tensor]) -> Tensor:
+    y, mask = target
+    return ((output - y) ** 2 * mask).sum()
+
+
+def _counted(failures: Failures) -> None:
+    """count_fn on FSDP2 stages: the count is summed over the FSDP2 mesh, so a token-mean
+    loss whose replicas count different numbers of tokens (4 of 48 here, 44 of 48 there)
+    gives the single-process model's global token-mean gradient (failure checks on: the
+    count's sum goes behind a verdict)."""
+    mesh = _Mesh()
+    pipe = DistributedPipe(_model(), chunks=4, balance=[4, 4], group=mesh.pp,
+                           sharded_failure_checks=True)
+    _wrap(pipe, partial(fully_shard, mesh=mesh.mesh["dp"]))
+    x, y = _batch(0)
+    mask = torch.zeros(16, 6, dtype=torch.float64)
+    mask[:8].view(-1)[:4] = 1  # replica 0 counts 4 tokens
+    mask[8:].view(-1)[:44] = 1  # replica 1 counts 44
+    pipe.train_step(mesh.half(x) if pipe.is_first else None,
+                    (mesh.half(y), mesh.half(mask)) if pipe.is_last else None, _masked_sum,
+                    count_fn=lambda target: target[1].sum())
+    reference = _model()
+    (_masked_sum(reference(x), (y, mask)) / mask.sum()).backward()
+    _grads(failures, pipe, reference, "count_fn over fsdp=2")
+
+
 def _refused(failures: Failures) -> None:
     """The DDP-based composable replicate raises, naming the replicate to use."""
     mesh = _Mesh()
@@ -295,6 +322,7 @@ def _worker(rank: int, world: int) -> None:
     _auto(failures)
     _scaled(failures)
     _clipped(failures)
+    _counted(failures)
     _refused(failures)
     _failed(failures)
     failures.finish()
@@ -306,6 +334,7 @@ def test_mesh() -> None:
     model; under schedule='auto' the sharded ranks measure the same costs; an inf in one
     replica skips PipeGradScaler's step everywhere; clip_grad_norm_ gives the model's norm
     and gradients (FSDP2, HSDP, plain data parallel with tied weights, 2- and inf-norm);
+    count_fn's count is summed over the FSDP2 mesh (the global token mean's gradient);
     the DDP-based replicate is refused; a rank failing in a forward or in its last
     backward makes every rank raise within seconds, its FSDP2 peer naming the failure."""
     run_workers(_worker, 4, timeout=300)

@@ -30,19 +30,24 @@ protocol drives HSDP (``fully_shard`` on a 2-D (replicate, shard) mesh) and the 
 ``FSDPModule``s too; a failure reaches the replicas and shards in FSDP2's collectives through
 ``seqpipe.distributed.fsdp_verdict``. What is not supported yet is refused by
 ``ShardedStep.check`` with the limitation named: the DDP-based
-``torch.distributed._composable.replicate``, weights tied across ranks, and ``count_fn``.
+``torch.distributed._composable.replicate``, weights tied across ranks, and ``count_fn``
+with a ``data_parallel_group`` as well. ``count_fn``'s count is summed over the groups FSDP2
+averages the last stage's gradients over (``ShardedStep.replicas``).
 """
 from __future__ import annotations
 
 import functools
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Set
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.core.loss_weights import Replicas
 from seqpipe.core.stage import Stage
-from seqpipe.distributed.fsdp_verdict import ShardedVerdicts
+from seqpipe.distributed.fsdp_verdict import ShardedVerdicts, group_ranks
 from seqpipe.schedule import Action, Phase
 
 if TYPE_CHECKING:
@@ -186,16 +191,49 @@ class ShardedStep:
                 for sharded in self.stages.values() for group in sharded._groups()
                 for fp in group.fsdp_params}  # type: ignore[attr-defined]
 
+    def replicas(self, stage: int, device: torch.device) -> Optional[Replicas]:
+        """The data-parallel copies of ``stage`` FSDP2 averages its gradients over (its
+        shard and, under HSDP or ``replicate``, replicate groups), for summing a step's
+        ``count_fn`` count over them (``seqpipe.core.loss_weights``); ``None`` if ``stage``
+        is not sharded here. FSDP2's default mean is assumed (no gradient divide factor
+        set). A collective over those groups, behind a verdict when failures are checked."""
+        sharded = self.stages.get(stage)
+        if sharded is None:
+            return None
+        meshes = set()
+        for group in sharded._groups():
+            info = group.mesh_info  # type: ignore[attr-defined]
+            meshes.add(tuple(g for g in (getattr(info, "shard_process_group", None),
+                                         getattr(info, "replicate_process_group", None))
+                             if g is not None and g.size() > 1))
+        if len(meshes) != 1:
+            raise ValueError(f"stage {stage} is sharded over different FSDP2 meshes (groups "
+                             f"{sorted(tuple(map(group_ranks, m)) for m in meshes)}), so "
+                             f"count_fn's count has no one sum; shard the stage on one mesh")
+        groups: Tuple[dist.ProcessGroup, ...] = meshes.pop()
+        size = 1
+        for group in groups:
+            size *= group.size()
+
+        def all_reduce(total: Tensor) -> None:
+            if self.verdicts is not None:
+                self.verdicts.check(list(groups), "the sum of count_fn's count")
+            for group in groups:
+                dist.all_reduce(total, group=group)
+        return Replicas(size, all_reduce, device)
+
     def check(self, *, tied: bool, counted: bool) -> None:
-        """Refuse what is not supported with sharded stages yet, naming it."""
+        """Refuse what is not supported with sharded stages yet, naming it; ``counted``:
+        ``count_fn`` given with a ``data_parallel_group`` as well."""
         for stage in self.all.values():
             check_parameters(stage)
         if not self.stages:
             return
         stages = sorted(self.stages)
         for unsupported, what in ((tied, "weights tied across ranks"),
-                                  (counted, "count_fn (its count is not summed over the "
-                                            "FSDP mesh)")):
+                                  (counted, "count_fn and a data_parallel_group as well "
+                                            "(its count is summed over the FSDP2 mesh or "
+                                            "the data-parallel group, not both)")):
             if unsupported:
                 raise NotImplementedError(
                     f"stages {stages} are sharded with FSDP2 (fully_shard), which "

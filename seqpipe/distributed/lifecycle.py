@@ -247,11 +247,13 @@ class CallLifecycle:
             if self.tied is not None:
                 self.tied.set_aside()  # sum only what this step adds, of what is trained now
             batches, actions = self.open(call, input, chunks)
-            sharded.check(tied=self.tied is not None, counted=count_fn is not None)
+            sharded.check(tied=self.tied is not None,
+                          counted=count_fn is not None and self.reducer is not None)
             tensor_parallel.check(self.stages, managed, tied=self.tied is not None)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
-                replicas = None if self.reducer is None else self.reducer.replicas(self.device)
+                replicas = (sharded.replicas(self.num_stages - 1, self.device)
+                            if self.reducer is None else self.reducer.replicas(self.device))
                 weights = loss_weights(target, len(batches), count_fn, replicas)
                 targets = weights.targets
         # each stage's last B or W: its gradients are final there
