@@ -2,7 +2,7 @@
 processes, trained exactly as the single-process model; what is not supported is refused."""
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,19 @@ def _full(tensor: Any) -> Any:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def _step_both(failures: Failures, mine: Dict[str, Tensor], theirs: Dict[str, Tensor],
+               optimizers: Tuple[Any, Any], what: str) -> None:
+    """The pipe's (possibly sharded) gradients equal the plain model's; then both
+    optimizers step, and the parameters are equal again."""
+    for name, param in mine.items():
+        failures.close(_full(param.grad), theirs[name].grad, f"{what}: grad of {name}")
+    for optimizer in optimizers:
+        optimizer.step()
+    for name, param in mine.items():
+        failures.close(_full(param.detach()), theirs[name].detach(),
+                       f"{what}: {name} after AdamW")
+
+
 def _worker(rank: int, world: int) -> None:
     torch.set_default_dtype(torch.float64)
     failures = Failures(rank, TOL)
@@ -116,14 +129,7 @@ def _exact(rank: int, failures: Failures) -> None:
             whole = sum(2 * theirs[name].numel() for name in mine)
             failures.expect(held <= whole // 2 + 2 * 16,
                             f"{what}: this rank holds {held} of {whole} values, not half")
-            for name, param in mine.items():
-                failures.close(_full(param.grad), theirs[name].grad,
-                               f"{what}: step {step}: grad of {name}")
-            opt.step()
-            ref_opt.step()
-            for name, param in mine.items():
-                failures.close(_full(param.detach()), theirs[name].detach(),
-                               f"{what}: step {step}: {name} after AdamW")
+            _step_both(failures, mine, theirs, (opt, ref_opt), f"{what}: step {step}")
 
 
 class _ToDTensor(nn.Module):

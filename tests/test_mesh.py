@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+from test_fsdp import _full
 from torch import Tensor, nn
 from torch.distributed._composable import replicate as ddp_replicate
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -41,10 +42,6 @@ def _batch(step: int) -> Tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(10 + step)
     return (torch.randn(16, 6, generator=gen, dtype=torch.float64),
             torch.randn(16, 6, generator=gen, dtype=torch.float64))
-
-
-def _full(tensor: Any) -> Any:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _wrap(pipe: DistributedPipe, wrap: Wrap) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
-from test_fsdp import _batch, _full  # the same data as the FSDP2 stages' test
+from test_fsdp import _batch, _full, _step_both  # the FSDP2 stages' data and checks
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -87,14 +87,7 @@ def _train(pipe: DistributedPipe, replica: int, replicas: int, failures: Failure
             failures.close(norm, expected, f"{what}: step {step}: the clipped norm")
         failures.expect(not hooked or set(fired.values()) == {1},
                         f"{what}: step {step}: the hooks fired {fired}, not once each")
-        for name, param in mine.items():
-            failures.close(_full(param.grad), theirs[name].grad,
-                           f"{what}: step {step}: grad of {name}")
-        opt.step()
-        ref_opt.step()
-        for name, param in mine.items():
-            failures.close(_full(param.detach()), theirs[name].detach(),
-                           f"{what}: step {step}: {name} after AdamW")
+        _step_both(failures, mine, theirs, (opt, ref_opt), f"{what}: step {step}")
 
 
 def _worker(rank: int, world: int) -> None:
