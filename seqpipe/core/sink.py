@@ -184,6 +184,10 @@ class GradSink:
     """Where the parameter gradients of one pipeline call add up (``open_sink`` picks one)."""
 
     params: List[nn.Parameter]  # the trainable parameters, each once, in model order
+    # Whether a stage backpropagates into this sink as the plain model does, with
+    # ``autograd.backward(roots, grads)`` and no ``inputs=``: only where the owner drives
+    # every backward itself and nothing needs them held back (``StepGrads`` says when).
+    plain = False
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
         """Run ``partition`` (number ``stage``) on ``args``."""

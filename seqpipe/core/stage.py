@@ -304,15 +304,18 @@ class Stage:
 
         The parameters' gradients accumulate into ``sink`` (the one the forward ran
         with), else into ``.grad`` (their post-accumulate hooks fire, e.g. a gradient
-        reducer's). A parameter that reached autograd without its alias (through a custom
-        ``autograd.Function.apply``) still gets its gradient, in ``.grad``.
+        reducer's); autograd is asked for those and the received tensors' only
+        (``inputs=``), unless the sink is ``plain``. A parameter that reached autograd
+        without its alias (through a custom ``autograd.Function.apply``) still gets its
+        gradient, in ``.grad``.
         """
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         phony = state.entry.phony
         wrt = ([phony] if phony is not None else []) + self._weights(sink)
         if roots and wrt:
+            only = None if sink is not None and sink.plain else autograd_inputs(wrt)
             with self._backpropagating(state):
-                torch.autograd.backward(roots, grads, inputs=autograd_inputs(wrt))
+                torch.autograd.backward(roots, grads, inputs=only)
         return self._received_grads(state)
 
     @contextmanager
@@ -323,9 +326,8 @@ class Stage:
             yield
 
     def _weights(self, sink: Optional[GradSink]) -> List[Tensor]:
-        """What the parameters' gradients accumulate into: what ``sink`` says, else the
-        leaves the forward used for the parameters (``used_parameters``: the parameters
-        themselves, or a sharded stage's unsharded ones)."""
+        """What the parameters' gradients accumulate into: ``sink``'s weights, else the
+        leaves the forward used (``used_parameters``: the parameters, or FSDP2's)."""
         return sink.weights(self.index) if sink is not None else self.used_parameters()
 
     def backward_input(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],

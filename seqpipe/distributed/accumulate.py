@@ -22,6 +22,20 @@ those hooks see, and change, the whole gradient, as in the unpipelined model.
 A parameter the last micro-batch does not reach (say, a layer skipped in that micro-batch
 only) got no accumulation: it is handed its sum (zero if preloaded) through autograd
 afterwards, so its hooks fire once too.
+
+Without aliases, the stage's ``B`` backwards run as the unpipelined model's
+``loss.backward()`` does: ``torch.autograd.backward(roots, grads)``, without the ``inputs=``
+(the received tensors and the parameters) that a stage's backward otherwise passes
+(``plain_backward``, ``GradSink.plain``). ``inputs=`` makes autograd first mark the graph's
+paths to them, ~4 % of the backward of four small transformer layers
+(``benchmarks/backward_inputs.py``), and it changes nothing here: ``train_step`` runs every
+backward of the step itself, and what a stage's graph reaches besides its parameters and
+its input node (a tensor outside the pipe that a layer or ``loss_fn`` holds, a reentrant
+``torch.utils.checkpoint``) is handled as the plain model's backward handles it. Where
+``inputs=`` is kept: the split backward's ``I`` and ``W`` (each asks for part of the
+graph), a stage with aliases, FSDP2's and tensor-parallel stages, and ``Pipe``, whose
+backward runs inside the autograd call of the caller (which may be ``torch.autograd.grad``,
+which must not write ``.grad``), docs/pipe.md says more.
 """
 from __future__ import annotations
 
@@ -48,6 +62,7 @@ class StepGrads:
         partitions: List[nn.Module] = [nn.Module() for _ in range(stage.index)]
         self.sink = open_sink([*partitions, stage.partition])
         self.aliased = isinstance(self.sink, AliasSink)  # else all straight into .grad
+        self.sink.plain = plain_backward(stage, self.sink)
 
     def sink_for(self, microbatch: int) -> Optional[GradSink]:
         """Where ``microbatch``'s parameter gradients accumulate (``None``: ``.grad``)."""
@@ -84,6 +99,15 @@ class StepGrads:
         missed += [(first.param, first.total) for first in firsts if not first.fired]
         if missed:
             torch.autograd.backward([p for p, _ in missed], [g for _, g in missed])
+
+
+def plain_backward(stage: Stage, sink: GradSink) -> bool:
+    """Whether ``stage``'s backwards into ``sink`` may run as the plain model's (no
+    ``inputs=``; see the module docstring): the sink holds nothing back (no hook needs
+    aliases), and autograd records the parameters themselves, plain ``nn.Parameter``s (not
+    FSDP2's unsharded leaves, nor a subclass such as a tensor-parallel ``DTensor``)."""
+    return not isinstance(sink, AliasSink) and stage.leaves is None and all(
+        type(param) is nn.Parameter for param in sink.params)
 
 
 class _AddFirst:

@@ -1,0 +1,171 @@
+"""A distributed stage's backward runs as the plain model's where nothing is held back.
+
+``seqpipe.distributed.accumulate.StepGrads`` decides once per step and stage: without
+aliases (no parameter hook that needs them), with plain ``nn.Parameter``s and no FSDP2
+leaves, every ``B`` of the stage calls ``torch.autograd.backward(roots, grads)`` without
+``inputs=`` (``GradSink.plain``); otherwise with ``inputs=``, as before. These tests drive a
+stage the way ``DistributedPipe.train_step`` does (``sink_for``, ``handing_over``), in one
+process, watch which form autograd is called with, and check the gradients (parameters and
+received input) against the plain model's, micro-batch by micro-batch.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.sink import step_aware
+from seqpipe.core.stage import Received, Stage
+from seqpipe.distributed.accumulate import StepGrads
+from seqpipe.skip.layout import inspect_skip_layout
+
+M = 3
+
+
+class Scaled(nn.Module):
+    """A layer holding a tensor that requires grad but is not a parameter (``scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.full((8,), 0.5, dtype=torch.float64, requires_grad=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
+class Tagged(nn.Parameter):
+    """A parameter subclass (as a tensor-parallel ``DTensor`` parameter is one)."""
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _stage(model: nn.Sequential) -> Stage:
+    """``model`` as the middle stage of three (its input wants a gradient back)."""
+    full = nn.Sequential(nn.Identity(), *model, nn.Identity())
+    layout = inspect_skip_layout(full, [1, len(model), 1])
+    return Stage(1, model, torch.device("cpu"), layout)
+
+
+def _data() -> List[List[Tensor]]:
+    torch.manual_seed(1)
+    return [[torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)]
+            for _ in range(M)]
+
+
+def _plain(model: nn.Module, data: List[List[Tensor]]) -> List[Optional[Tensor]]:
+    """The plain model's gradients over the micro-batches, and each input's."""
+    inputs = []
+    for x, g in data:
+        x = x.clone().requires_grad_()
+        model(x).backward(g)
+        inputs.append(x.grad)
+    return inputs
+
+
+def _step(stage: Stage, data: List[List[Tensor]]) -> List[Optional[Tensor]]:
+    """One step of the stage as ``train_step`` runs it (forwards, then backwards)."""
+    grads = StepGrads(stage, M - 1)
+    states = []
+    for i, (x, _) in enumerate(data):
+        received = Received(Batch((x.clone().requires_grad_(),), True, ()), {}, (True,))
+        _, state = stage.forward(received, grad=True, sink=grads.sink_for(i))
+        states.append(state)
+    inputs = []
+    for i, (_, g) in enumerate(data):
+        with grads.handing_over(i):
+            inputs.append(stage.backward(states[i], [g], {}, sink=grads.sink_for(i)).inputs[0])
+    return inputs
+
+
+def _watched(monkeypatch: pytest.MonkeyPatch) -> List[Any]:
+    """The ``inputs=`` of every ``torch.autograd.backward`` call from now on."""
+    seen: List[Any] = []
+    backward = torch.autograd.backward
+
+    def watch(*args: Any, **kwargs: Any) -> None:
+        seen.append(kwargs.get("inputs"))
+        backward(*args, **kwargs)
+    monkeypatch.setattr(torch.autograd, "backward", watch)
+    return seen
+
+
+def _same(pipe: nn.Module, plain: nn.Module, got: List[Optional[Tensor]],
+          expected: List[Optional[Tensor]]) -> None:
+    for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-10, msg=name)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10, msg=f"input {i}")
+
+
+def _subclass(model: nn.Sequential) -> None:
+    model[2].weight = Tagged(model[2].weight.detach().clone())
+
+
+def _sharded(stage: Stage) -> None:  # FSDP2 sets leaves: the unsharded parameters
+    stage.leaves = Stage.parameters
+
+
+# name -> (change to the model, change to the stage, plain backward expected)
+CASES = {
+    "no hooks": (None, None, True),
+    "step-aware hook": (lambda m: m[0].weight.register_post_accumulate_grad_hook(
+        step_aware(lambda p: None)), None, True),
+    "post-accumulate hook": (lambda m: m[0].weight.register_post_accumulate_grad_hook(
+        lambda p: None), None, False),
+    "tensor hook": (lambda m: m[2].bias.register_hook(lambda g: g), None, False),
+    "parameter subclass": (_subclass, None, False),
+    "FSDP2 leaves": (None, _sharded, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_backward_is_plain_exactly_where_nothing_is_held_back(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    change, sharded, plain_expected = CASES[case]
+    model, plain = _model(), _model()
+    for m in (model, plain):
+        if change is not None:
+            change(m)
+    stage = _stage(model)
+    if sharded is not None:
+        sharded(stage)
+    data = _data()
+    expected = _plain(plain, data)
+    seen = _watched(monkeypatch)
+    got = _step(stage, data)
+    assert len(seen) >= M, seen
+    if plain_expected:
+        assert all(inputs is None for inputs in seen), f"{case}: {seen}"
+    else:
+        assert all(inputs is not None for inputs in seen), f"{case}: {seen}"
+    _same(model, plain, got, expected)
+
+
+def test_a_post_accumulate_hook_still_sees_the_whole_gradient_once() -> None:
+    model, plain = _model(), _model()
+    seen: List[Tensor] = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    data = _data()
+    expected = _plain(plain, data)
+    _same(model, plain, _step(_stage(model), data), expected)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], plain[0].weight.grad, atol=1e-12, rtol=1e-10)
+
+
+def test_the_plain_backward_reaches_what_the_plain_model_does() -> None:
+    """A tensor outside the pipe that a layer holds gets its gradient, as in the plain
+    model (``inputs=`` left it out; docs/pipe.md)."""
+    make: Callable[[], nn.Sequential] = lambda: nn.Sequential(  # noqa: E731
+        *_model()[:2], Scaled(), _model()[2])
+    model, plain = make(), make()
+    data = _data()
+    expected = _plain(plain, data)
+    _same(model, plain, _step(_stage(model), data), expected)
+    torch.testing.assert_close(model[2].scale.grad, plain[2].scale.grad,
+                               atol=1e-12, rtol=1e-10)
