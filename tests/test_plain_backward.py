@@ -15,7 +15,9 @@ from typing import Any, Callable, List, Optional
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from seqpipe import ReentrantCheckpointError
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import step_aware
 from seqpipe.core.stage import Received, Stage
@@ -34,6 +36,17 @@ class Scaled(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x * self.scale
+
+
+class Reentrant(nn.Module):
+    """A layer that checkpoints itself the reentrant way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.lin, x, use_reentrant=True)
 
 
 class Tagged(nn.Parameter):
@@ -169,3 +182,21 @@ def test_the_plain_backward_reaches_what_the_plain_model_does() -> None:
     _same(model, plain, _step(_stage(model), data), expected)
     torch.testing.assert_close(model[2].scale.grad, plain[2].scale.grad,
                                atol=1e-12, rtol=1e-10)
+
+
+def _reentrant() -> nn.Sequential:
+    torch.manual_seed(2)
+    return nn.Sequential(*_model()[:2], Reentrant(), _model()[2])
+
+
+def test_a_reentrant_checkpoint_trains_under_the_plain_backward_and_is_refused_with_inputs(
+        ) -> None:
+    """As the plain model, where the backward is plain; where the stage passes ``inputs=``
+    (here: a hook needs aliases) the step raises ``ReentrantCheckpointError`` as before."""
+    model, plain = _reentrant(), _reentrant()
+    data = _data()
+    expected = _plain(plain, data)
+    _same(model, plain, _step(_stage(model), data), expected)
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(ReentrantCheckpointError, match="use_reentrant=False"):
+        _step(_stage(model), data)

@@ -25,17 +25,16 @@ afterwards, so its hooks fire once too.
 
 Without aliases, the stage's ``B`` backwards run as the unpipelined model's
 ``loss.backward()`` does: ``torch.autograd.backward(roots, grads)``, without the ``inputs=``
-(the received tensors and the parameters) that a stage's backward otherwise passes
-(``plain_backward``, ``GradSink.plain``). ``inputs=`` makes autograd first mark the graph's
-paths to them, ~4 % of the backward of four small transformer layers
-(``benchmarks/backward_inputs.py``), and it changes nothing here: ``train_step`` runs every
-backward of the step itself, and what a stage's graph reaches besides its parameters and
-its input node (a tensor outside the pipe that a layer or ``loss_fn`` holds, a reentrant
-``torch.utils.checkpoint``) is handled as the plain model's backward handles it. Where
-``inputs=`` is kept: the split backward's ``I`` and ``W`` (each asks for part of the
-graph), a stage with aliases, FSDP2's and tensor-parallel stages, and ``Pipe``, whose
-backward runs inside the autograd call of the caller (which may be ``torch.autograd.grad``,
-which must not write ``.grad``), docs/pipe.md says more.
+(its received tensors and parameters) that a stage's backward passes otherwise
+(``plain_backward``, ``GradSink.plain``). ``inputs=`` makes autograd mark the graph's paths
+to them first: ~4 % of the backward of four small transformer layers
+(``benchmarks/backward_inputs.py``). ``train_step`` runs every backward of the step itself,
+so nothing outside asked for part of the graph: what a stage's graph reaches besides its
+parameters and its input node is then treated as the plain model's backward treats it (a
+tensor outside the pipe that a layer or ``loss_fn`` holds gets its gradient, a reentrant
+``torch.utils.checkpoint`` runs), where ``inputs=`` left it out or refused it. ``inputs=``
+stays for a split backward's ``I`` and ``W`` (each asks for part of the graph), a stage with
+aliases, FSDP2's and tensor-parallel stages, and in ``Pipe`` (docs/pipe.md says why).
 """
 from __future__ import annotations
 
