@@ -73,7 +73,7 @@ def _shard(pipe: DistributedPipe, mesh: DeviceMesh, reshard: bool = True,
 
 
 def _train(failures: Failures, pipe: DistributedPipe, part: slice, what: str) -> None:
-    """Three AdamW steps on ``pipe`` (this pipeline's ``part`` of each batch) and on the
+    """Two AdamW steps on ``pipe`` (this pipeline's ``part`` of each batch) and on the
     single-process model: gradients and parameters equal; the tied copies still equal."""
     reference = _model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
@@ -82,7 +82,7 @@ def _train(failures: Failures, pipe: DistributedPipe, part: slice, what: str) ->
     mine = dict(pipe.named_parameters())
     tied = "0.weight" if pipe.is_first else "5.weight"
     failures.expect(isinstance(mine[tied], DTensor), f"{what}: the tied copy is not split")
-    for step in range(3):
+    for step in range(2):
         x, y = _batch(step)
         opt.zero_grad()
         pipe.train_step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None,
@@ -194,7 +194,7 @@ def _worker(rank: int, world: int) -> None:
 
 
 def test_fsdp_ties() -> None:
-    """4 processes: a tied embedding/head trains three AdamW steps as the single-process
+    """4 processes: a tied embedding/head trains two AdamW steps as the single-process
     model under pp=2 × fsdp=2 (1f1b, zb_h1) and pp=2 × tp=2 (copies split alike under 1f1b,
     differently under zb_h1), the copies equal after; count_fn with FSDP2 and a
     data_parallel_group gives the global token mean's gradient; FSDP2 over other ranks than

@@ -9,7 +9,8 @@ all make the same kind of call), runs the rank's actions in schedule order, and 
 call on every rank together (the loss from the rank of the last stage, then DONE). A train
 step ends with the reductions: gradients averaged over the data-parallel replicas (and the
 stage's buffers broadcast), then what the step added to the gradients of weights tied
-across ranks summed (their earlier gradients set aside at the start: ``tie_grads``). Under
+across ranks summed (their earlier gradients set aside at the start: ``tie_grads``; copies
+FSDP2 manages are summed before their stage's FSDP2 reduction, which then runs here). Under
 ``schedule="auto"`` the first train step is timed, and the schedule picked from it runs from
 the next call on.
 """

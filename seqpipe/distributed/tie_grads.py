@@ -26,6 +26,12 @@ gradient, the sum over all uses. Two things make "each copy's gradient" more tha
   it adds zeros), and skips a tie that no holder got a gradient for in this step (its
   ``.grad`` stays as it was, ``None`` included, as with DDP); a holder that got none while
   another did gets the sum.
+* **Sharding.** A copy FSDP2 manages keeps its gradient, unreduced, in FSDP2's unsharded
+  parameter until FSDP2's reduce-scatter, which adds it to the sharded ``.grad``: that
+  gradient is the one summed (nothing set aside), and its stage's reduction waits for the
+  sum (``ShardedStep.claim``). The all-gather also carries each copy's layout, from which
+  every rank picks whether a ``DTensor`` tie is summed by local shards or whole
+  (``TiedCopies.whole``).
 """
 from __future__ import annotations
 

@@ -13,7 +13,11 @@ is the sum of both uses. Across processes each stage that uses it holds a copy, 
 * **training**: after the step's backward, each tie's gradient (what this step added) is
   summed over the ranks that hold a copy (one all-reduce per tie, see
   ``seqpipe.distributed.tie_grads``), so every copy's ``.grad`` is the unpipelined
-  model's and identical optimizer steps keep the copies identical;
+  model's and identical optimizer steps keep the copies identical. A copy may be sharded
+  with FSDP2 or split with tensor parallelism after construction: it is read from its layer
+  when needed (``TiedCopies.copies``), FSDP2's copies are summed in their unsharded
+  gradients before FSDP2 reduces them, and ``DTensor`` copies by local shards or whole
+  (``seqpipe.distributed.tie_layout``);
 * **checking**: the copies must be equal at construction (one small all-gather of
   checksums, else ``ValueError`` on every rank naming the tensor), and ``check`` compares
   them again on demand. Copies built on ``meta`` are freshly initialised per rank, so
