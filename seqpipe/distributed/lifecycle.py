@@ -34,7 +34,7 @@ from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
 from seqpipe.distributed.fsdp import ShardedStep
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
-from seqpipe.distributed.step import Call, LossFn, describe
+from seqpipe.distributed.step import Call, LossFn
 from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
@@ -265,12 +265,17 @@ class CallLifecycle:
         final = max(last.values())
         call.split = {(a.stage, a.microbatch) for a in actions
                       if a.phase is Phase.BACKWARD_INPUT}
-        for n, action in enumerate(actions):
-            with call.guard(describe(action), action.stage):
-                if n == final and self.reducer is not None:
-                    self.reducer.arm()  # gradients final from here: reduce as they land
+        reducer, shares = self.reducer, weights.weights
+
+        def run(n: int, action: Action) -> None:
+            if n == final and reducer is not None:
+                reducer.arm()  # gradients final from here: reduce as they land
+            if action.stage in sharded.stages:
                 with sharded.around(n, action):
-                    call.run(action, batches, targets, loss_fn, weights.weights)
+                    call.run(action, batches, targets, loss_fn, shares)
+            else:
+                call.run(action, batches, targets, loss_fn, shares)
+        call.run_actions(actions, run)
         with call.guard("end of the step"):
             for stage in self.stages.values():
                 stage.finish_forward()
@@ -298,9 +303,7 @@ class CallLifecycle:
                  chunks: int) -> Optional[TensorOrTensors]:
         with call.guard("start of the call"):
             batches, actions = self.open(call, input, chunks)
-        for action in actions:
-            with call.guard(describe(action), action.stage):
-                call.run(action, batches, None, None, [])
+        call.run_actions(actions, lambda _, action: call.run(action, batches, None, None, []))
         with call.guard("end of the call"):
             for stage in self.stages.values():
                 stage.finish_forward()

@@ -51,7 +51,17 @@ import sys
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Deque,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import torch
 import torch.distributed as dist
@@ -66,10 +76,11 @@ from seqpipe.distributed.wire import (
     Kind,
     Message,
     Spec,
+    as_header,
     decode,
     decode_text,
-    encode,
     encode_text,
+    header_words,
     nbytes,
     pack,
     read_header,
@@ -140,6 +151,7 @@ class Transport:
         self._seen_in = SeenShapes()  # of the messages received, per peer
         self._seen_out = SeenShapes()  # of the messages sent, per peer
         self._pending: Dict[int, List[_Sent]] = defaultdict(list)
+        self._globals: Dict[int, int] = {}  # stage -> global rank
         self.sent_bytes = 0  # every buffer sent, headers and placeholders included
         self._pin = device.type == "cuda"  # headers in pinned host memory, copied async
         self._side = torch.cuda.Stream(device) if self._pin else None
@@ -196,7 +208,13 @@ class Transport:
 
     # -- the wire ----------------------------------------------------------------------
     def _global(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, stage) if self.group is not None else stage
+        """The global rank of ``stage`` (looked up once per peer: every message asks)."""
+        found = self._globals.get(stage)
+        if found is None:
+            found = dist.get_global_rank(self.group, stage) if self.group is not None \
+                else stage
+            self._globals[stage] = found
+        return found
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
         work = _started(dist.isend(buffer, dst=self._global(stage), group=self._group_to(stage)))
@@ -239,8 +257,11 @@ class Transport:
         actual = spec_of(payload)
         reshaped = actual != expected
         taken_at = planned.taken_at if planned else sys.maxsize
-        header = encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
-                        pin=self._pin, origin=origin, values=values)
+        header: Union[Tensor, List[int]] = header_words(
+            kind, microbatch, key, count, atomic, reshaped, tensors, flags, origin=origin,
+            values=values)
+        if self._pin:  # copied from pinned memory, queued: the host does not wait
+            header = as_header(header, pin=True)  # type: ignore[arg-type]
         if not reshaped:
             self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device),
                         stage, taken_at)
