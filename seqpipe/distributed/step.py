@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -114,6 +115,11 @@ class Call(Tasks):
             return f"stage {held[0]}{self._of_replica}"
         return f"rank {rank} (stages {', '.join(map(str, held))}){self._of_replica}"
 
+    @cached_property
+    def me(self) -> str:
+        """``name()`` of this rank, made once per call (every send passes it along)."""
+        return self.name()
+
     @property
     def _of_replica(self) -> str:
         return "" if self.replica is None else f" of replica {self.replica}"
@@ -174,7 +180,7 @@ class Call(Tasks):
     def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
         """Queue a message to rank ``dst``; a failure to send is the peer's failure."""
-        refuse_dtensors(tensors, self.name(), _WHAT[kind])  # this stage's error, not the peer's
+        refuse_dtensors(tensors, self.me, _WHAT[kind])  # this stage's error, not the peer's
         if dst == self.rank:  # to a stage of this rank: cut from the graph, as if sent
             kept = tuple(t.detach() if t is not None else None for t in tensors)
             check_values(options.get("values", ()))  # what could not cross to another rank
