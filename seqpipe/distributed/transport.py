@@ -51,17 +51,7 @@ import sys
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import (
-    TYPE_CHECKING,
-    Deque,
-    Dict,
-    Iterable,
-    List,
-    Optional,
-    Sequence,
-    Tuple,
-    Union,
-)
+from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -76,7 +66,6 @@ from seqpipe.distributed.wire import (
     Kind,
     Message,
     Spec,
-    as_header,
     decode,
     decode_text,
     encode_text,
@@ -209,12 +198,10 @@ class Transport:
     # -- the wire ----------------------------------------------------------------------
     def _global(self, stage: int) -> int:
         """The global rank of ``stage`` (looked up once per peer: every message asks)."""
-        found = self._globals.get(stage)
-        if found is None:
-            found = dist.get_global_rank(self.group, stage) if self.group is not None \
-                else stage
-            self._globals[stage] = found
-        return found
+        if stage not in self._globals:
+            self._globals[stage] = dist.get_global_rank(self.group, stage) \
+                if self.group is not None else stage
+        return self._globals[stage]
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
         work = _started(dist.isend(buffer, dst=self._global(stage), group=self._group_to(stage)))
@@ -240,10 +227,6 @@ class Transport:
                              device=self.device)
         self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
 
-    def _expected_by(self, dst: int, planned: Optional["Planned"]) -> Spec:
-        """The payload ``dst`` has posted (or will post) a receive for, for this message."""
-        return self._seen_out.posted(dst, planned)
-
     # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, *, key: int = -1, count: int = 0,
@@ -252,22 +235,19 @@ class Transport:
         sends it; ``values``: an activation's non-tensor items); returns at once."""
         flags = flags if flags is not None else [False] * len(tensors)
         planned = self._next_out(stage, (kind, microbatch, key, origin))  # taken off once sent
-        expected = self._expected_by(stage, planned)
+        expected = self._seen_out.posted(stage, planned)  # what ``stage`` posted for it
         payload = [t for t in tensors if t is not None]
         actual = spec_of(payload)
         reshaped = actual != expected
         taken_at = planned.taken_at if planned else sys.maxsize
-        header: Union[Tensor, List[int]] = header_words(
-            kind, microbatch, key, count, atomic, reshaped, tensors, flags, origin=origin,
-            values=values)
-        if self._pin:  # copied from pinned memory, queued: the host does not wait
-            header = as_header(header, pin=True)  # type: ignore[arg-type]
+        header = header_words(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
+                              origin=origin, values=values)
         if not reshaped:
-            self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device),
-                        stage, taken_at)
+            self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device,
+                             pin=self._pin), stage, taken_at)
         else:  # fill the receive the peer posted; the real payload follows on its own
-            self._isend(pack(header, [], HEADER_BYTES + nbytes(expected), self.device),
-                        stage, taken_at)
+            self._isend(pack(header, [], HEADER_BYTES + nbytes(expected), self.device,
+                             pin=self._pin), stage, taken_at)
             if payload:
                 self._isend(pack(None, payload, nbytes(actual), self.device), stage, taken_at)
         if planned is not None:
@@ -398,7 +378,7 @@ class Transport:
         self.failure = text
         header = encode_text(Kind.ABORT, text, pin=self._pin)
         for stage in self.relay_to(heard_from):
-            size = HEADER_BYTES + nbytes(self._expected_by(stage, self._outgoing[stage][0]))
+            size = HEADER_BYTES + nbytes(self._seen_out.posted(stage, self._outgoing[stage][0]))
             try:
                 self._isend(pack(header, [], size, self.device), stage, sys.maxsize)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can

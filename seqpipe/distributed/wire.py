@@ -89,12 +89,13 @@ def nbytes(spec: Spec) -> int:
 
 
 def pack(header: Union[Tensor, List[int], None], tensors: Sequence[Tensor], size: int,
-         device: torch.device) -> Tensor:
+         device: torch.device, *, pin: bool = False) -> Tensor:
     """One byte buffer of ``size``: the header (if any), then each tensor, aligned.
 
     ``header``: a header tensor (``encode``; from pinned memory on a GPU, its copy is
     queued and the host does not wait), or its words (``header_words``), which a host
-    buffer takes in place, without a header tensor or a copy.
+    buffer takes in place, without a header tensor or a copy (a device buffer gets them
+    as a header tensor, in pinned memory with ``pin``).
     """
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     host = buffer.numpy() if device.type == "cpu" else None
@@ -105,7 +106,7 @@ def pack(header: Union[Tensor, List[int], None], tensors: Sequence[Tensor], size
             struct.pack_into(f"={len(header)}q", host, 0, *header)
         else:
             if isinstance(header, list):
-                header = as_header(header, pin=False)
+                header = as_header(header, pin)
             buffer[:HEADER_BYTES].copy_(header.view(torch.uint8), non_blocking=True)
         offset = HEADER_BYTES
     if not tensors:
