@@ -372,6 +372,13 @@ def test_a_message_packs_into_one_buffer_and_unpacks_bit_exact() -> None:
     for sent, got in zip(tensors, unpacked):
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got, sent)
+        # in place: the received tensors share the buffer's memory (no copy)
+        assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    # words written straight into a host buffer: the same bytes as the header tensor
+    packed = wire.pack(header.tolist(), tensors, size, torch.device("cpu"))
+    assert torch.equal(packed[:HEADER_BYTES].view(torch.int64), header)
+    assert all(torch.equal(a, b) for a, b in zip(wire.unpack(packed, HEADER_BYTES, spec),
+                                                 tensors))
     # a placeholder (the receiver expected another shape): header, then zeros
     filler = wire.pack(header, [], size, torch.device("cpu"))
     assert torch.equal(filler[:HEADER_BYTES].view(torch.int64), header)
