@@ -346,6 +346,7 @@ def _odd_tensors() -> List[Tensor]:
         base.t(),  # transposed
         torch.tensor(3.5, dtype=torch.float64),  # 0-dim, like the loss
         torch.zeros(0, 5),  # empty
+        torch.randn(3, dtype=torch.complex64, generator=gen).conj().imag,  # a negated view
     ]
     for dtype in wire._DTYPES:
         if dtype.is_complex:

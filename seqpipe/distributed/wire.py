@@ -114,7 +114,8 @@ def pack(header: Union[Tensor, List[int], None], tensors: Sequence[Tensor], size
         return buffer
     for tensor in tensors:
         n = tensor.numel() * tensor.element_size()
-        if host is not None and tensor.dtype in _NUMPY_COPIES and tensor.device == device:
+        if host is not None and tensor.dtype in _NUMPY_COPIES and tensor.device == device \
+                and not tensor.is_neg():  # (a negated view: NumPy cannot read it)
             host[offset:offset + n] = np.ascontiguousarray(tensor.detach().numpy()).view(
                 np.uint8).reshape(-1)
         else:
