@@ -83,6 +83,12 @@ def _entry(rank: int, world_size: int, store: str, pg_timeout: float, backend: s
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
+    # Every rank has connected to every other before any goes on: gloo's init returns on a
+    # rank once its own side of each connection is up, and a rank that then ends at once
+    # (nothing else to do) closed connections a slower peer was still opening, failing its
+    # init_process_group with "Connection closed by peer" (3 of 40 launches of 4 workers
+    # that do nothing, on a loaded machine; 0 of 40 with this barrier).
+    dist.barrier()
     default = weakref.ref(dist.group.WORLD)
     try:
         fn(rank, world_size, *args)
