@@ -23,7 +23,13 @@ from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import LossFn
 from seqpipe.graph.origin import Origin, model_output
-from seqpipe.local.direct import pipeline_outputs, refuse_create_graph, run_direct, runs_direct
+from seqpipe.local.direct import (
+    any_trainable,
+    pipeline_outputs,
+    refuse_create_graph,
+    run_direct,
+    runs_direct,
+)
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -248,8 +254,7 @@ class Pipe(nn.Module):
         pipeline = self._pipeline
         if len(pipeline.stages) == 1:  # one micro-batch: maybe the plain model's graph
             grad = torch.is_grad_enabled() and (
-                any(t.requires_grad for t in batch.tensors)
-                or any(p.requires_grad for p in self.parameters()))
+                any(t.requires_grad for t in batch.tensors) or any_trainable(self))
             stop = checkpoint_stop(self.checkpoint if self.training and grad else "never", 1)
             if runs_direct(pipeline.stages, given, self.chunks, stop, pipeline.isolate_rng):
                 shape, outputs = run_direct(pipeline.stages[0], given, grad)

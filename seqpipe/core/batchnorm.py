@@ -9,6 +9,7 @@ BatchNorm would reach on the whole mini-batch, with the unbiased variance PyTorc
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Tuple, Type, TypeVar, cast
 
 import torch
@@ -18,7 +19,17 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from seqpipe.core.flags import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "statistics_pending"]
+
+# The deferred BatchNorms that accumulated statistics since their last commit or reset, so
+# that the end of a mini-batch need not walk a partition's modules when there are none.
+_pending: "weakref.WeakSet[DeferredBatchNorm]" = weakref.WeakSet()
+
+
+def statistics_pending() -> bool:
+    """Whether any deferred BatchNorm (of any model) holds statistics not yet committed or
+    dropped: if not, ending a mini-batch has nothing to commit."""
+    return bool(_pending)
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -30,6 +41,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _reset_accumulators(self) -> None:
         self._count = 0
+        _pending.discard(self)
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalise with this micro-batch's statistics; remember them for ``commit``."""
@@ -42,6 +54,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _accumulate(self, input: Tensor) -> None:
+        _pending.add(self)
         dims = [d for d in range(input.dim()) if d != 1]
         x = input.detach().to(torch.float64)
         count = x.numel() // x.shape[1]

@@ -7,12 +7,14 @@ whose autograd work belongs to the engine's device threads). An action runs once
 inputs are in the mailbox. If any action raises, the mailbox is marked failed, every
 other worker stops at its next wait, all threads are joined, and the original exception
 is raised on the caller with its own traceback, plus a note naming the stage and action.
-A Ctrl-C on the caller stops and joins the workers the same way. Threads live for one
-phase only, so none is left running after a call returns or raises (one still inside
-PyTorch when the interpreter shuts down would abort the process).
+A Ctrl-C on the caller stops the workers the same way and waits for them. No worker is
+left running a stage after a call returns or raises (one still inside PyTorch when the
+interpreter shuts down would abort the process); the threads themselves come from
+``seqpipe.local.pool`` and wait, idle, for the next call.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 
 import torch
 
+from seqpipe.local import pool
 from seqpipe.local.thread_state import ThreadState
 from seqpipe.schedule import Action
 from seqpipe.trace import hooks
@@ -131,12 +134,8 @@ def _waiting(programs: List[Program], positions: List[int]) -> Any:
     return hooks.span(EventKind.WAIT, stage, action.microbatch, peer=peer, what=what)
 
 
-def _join(workers: List[Tuple[threading.Thread, threading.Event]], mailbox: Mailbox) -> None:
-    """Wait for the workers; on Ctrl-C, stop them (at their next wait), wait, re-raise.
-
-    Waits on each worker's ``done`` event first: an interrupted ``Thread.join`` can mark a
-    running thread stopped (Python 3.11), after which ``join`` returns at once.
-    """
+def _join(workers: List[Tuple[str, threading.Event]], mailbox: Mailbox) -> None:
+    """Wait for the workers; on Ctrl-C, stop them (at their next wait), wait, re-raise."""
     try:
         for _, done in workers:
             done.wait()
@@ -145,13 +144,12 @@ def _join(workers: List[Tuple[threading.Thread, threading.Event]], mailbox: Mail
         for _, done in workers:
             done.wait()
         raise
-    for thread, _ in workers:
-        thread.join()
 
 
 def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
                state: Optional[ThreadState] = None) -> None:
-    """Run each group of programs on its own thread (the first on the caller's).
+    """Run each group of programs on its own thread (the first on the caller's, the others
+    on pooled workers: ``seqpipe.local.pool``).
 
     Worker threads first enter the caller's thread-local ``state``; the caller's thread
     already has it, and only takes its share of the intra-op threads until all are joined.
@@ -170,23 +168,13 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
             errors.append(exc)
             mailbox.fail()
 
-    def run(group: List[Program], done: threading.Event) -> None:
-        try:
-            work(group, True)
-        finally:
-            done.set()
-
-    workers = []
-    for group in groups[1:]:
-        if group:
-            done = threading.Event()
-            workers.append((threading.Thread(target=run, args=(group, done), daemon=True,
-                                             name=f"seqpipe-stage-{group[0].stage}"), done))
+    others = [group for group in groups[1:] if group]
+    workers = [(f"seqpipe-stage-{group[0].stage}", threading.Event()) for group in others]
     with ExitStack() as caller:
         if state is not None:
             state.share_threads(caller)
-        for thread, _ in workers:
-            thread.start()
+        for group, (name, done) in zip(others, workers):  # ``work`` keeps what it raises
+            pool.start(name, functools.partial(work, group, True), done)
         if groups and groups[0]:
             work(groups[0], False)
         _join(workers, mailbox)
