@@ -223,6 +223,13 @@ def test_concurrent_stages_share_the_default_intra_op_threads(caller, concurrent
     assert stage_threads(caller, concurrent, default) == share
 
 
+@pytest.mark.parametrize("load, room", [(0.5, True), (2.9, True), (3.0, False), (12.0, False)])
+def test_a_machine_has_room_for_a_team_while_its_load_is_under_the_team_and_one(
+        monkeypatch, load, room):
+    monkeypatch.setattr(thread_state.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    assert thread_state.machine_has_room(2) is room
+
+
 Task = Tuple[str, int, float, float]  # thread, intra-op threads, start, end
 
 
@@ -230,14 +237,15 @@ def _overlap(a: Task, b: Task) -> bool:
     return a[0] != b[0] and a[2] < b[3] and b[2] < a[3]
 
 
-@pytest.mark.parametrize("caller, share", [(2, 1), (3, 3)])  # default 2; 3 set by the user
+@pytest.mark.parametrize("caller, share, room", [  # default 2; 3 set by the user
+    (2, 1, True), (3, 3, True), (2, 1, False)])
 def test_stage_threads_share_the_default_count_and_take_it_all_when_alone(
-        monkeypatch, caller, share):
+        monkeypatch, caller, share, room):
     """While another stage can compute, a stage thread runs at its share; an action during
     which none can (stage 0's first forward, stage 1's last, the ends of the backward) takes
-    the caller's whole default count; two actions at the same time never run more intra-op
-    threads than the caller has. A count the user set is every stage's, throughout. The
-    caller gets its own count back."""
+    the caller's whole default count if the machine has ``room``; two actions at the same
+    time never run more intra-op threads than the caller has. A count the user set is every
+    stage's, throughout. The caller gets its own count back."""
     tasks: List[Task] = []
 
     def timed() -> Any:
@@ -266,6 +274,7 @@ def test_stage_threads_share_the_default_count_and_take_it_all_when_alone(
             return Backward.apply(super().forward(x))
 
     monkeypatch.setattr(thread_state, "_DEFAULT_THREADS", 2)
+    monkeypatch.setattr(thread_state, "machine_has_room", lambda threads: room)
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Both(), nn.Linear(4, 4), Both()),
                 chunks=4, balance=[2, 2], devices=["cpu", "cpu"], checkpoint="never")
     torch.set_num_threads(caller)
@@ -276,8 +285,8 @@ def test_stage_threads_share_the_default_count_and_take_it_all_when_alone(
         torch.set_num_threads(1)
     assert len(tasks) == 16  # two stages, four micro-batches, forward and backward
     assert after == caller
-    if share == caller:
-        assert {n for _, n, _, _ in tasks} == {caller}
+    if share == caller or not room:
+        assert {n for _, n, _, _ in tasks} == {share}
         return
     assert {n for _, n, _, _ in tasks} == {share, caller}
     assert tasks[0][:2] == ("MainThread", caller)  # stage 0's first forward runs alone

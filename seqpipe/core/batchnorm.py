@@ -19,17 +19,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from seqpipe.core.flags import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "statistics_pending"]
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
 
 # The deferred BatchNorms that accumulated statistics since their last commit or reset, so
 # that the end of a mini-batch need not walk a partition's modules when there are none.
 _pending: "weakref.WeakSet[DeferredBatchNorm]" = weakref.WeakSet()
-
-
-def statistics_pending() -> bool:
-    """Whether any deferred BatchNorm (of any model) holds statistics not yet committed or
-    dropped: if not, ending a mini-batch has nothing to commit."""
-    return bool(_pending)
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -83,6 +77,21 @@ class DeferredBatchNorm(_BatchNorm):
             running = cast(Tensor, running)
             running.mul_(1 - factor).add_(value.to(running.dtype), alpha=factor)
         self._reset_accumulators()
+
+
+def end_statistics(module: nn.Module, *, failed: bool = False) -> None:
+    """At the end of a mini-batch: commit the statistics that ``module``'s deferred
+    BatchNorms accumulated, or drop them after a failed call (so they cannot leak into the
+    next mini-batch's update). Walks nothing while no deferred BatchNorm (of any model)
+    holds statistics: a call's fixed cost."""
+    if not _pending:
+        return
+    for layer in module.modules():
+        if isinstance(layer, DeferredBatchNorm):
+            if failed:
+                layer._reset_accumulators()
+            else:
+                layer.commit()
 
 
 _classes: Dict[Tuple[type, type], type] = {}

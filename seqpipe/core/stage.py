@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from seqpipe.core.batchnorm import DeferredBatchNorm, statistics_pending
+from seqpipe.core.batchnorm import end_statistics
 from seqpipe.core.caller_input import CallerInput
 from seqpipe.core.checkpoint import Replay, first_pass, refusing_reentrant, run_task
 from seqpipe.core.entry import Entry, enter
@@ -390,14 +390,6 @@ class Stage:
         """End of a mini-batch's forwards: commit deferred BatchNorm statistics.
 
         After a failed call the partial statistics are dropped instead, so they cannot leak
-        into the next mini-batch's update. Nothing to walk for when no deferred BatchNorm
-        accumulated anything.
+        into the next mini-batch's update.
         """
-        if not statistics_pending():
-            return
-        for module in self.partition.modules():
-            if isinstance(module, DeferredBatchNorm):
-                if failed:
-                    module._reset_accumulators()
-                else:
-                    module.commit()
+        end_statistics(self.partition, failed=failed)

@@ -25,10 +25,11 @@ default (the count the process had when seqpipe was imported, which follows
 ``OMP_NUM_THREADS``); a count the user set with ``torch.set_num_threads`` to another
 value is the user's choice and every stage gets it as it is. While the split applies, an
 action during which no other stage can compute (the pipeline's fill and drain) takes all
-``T`` (``IntraOp``).
+``T`` (``IntraOp``), if the machine has room for them (``machine_has_room``).
 """
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -38,7 +39,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 
 from seqpipe.core.stream import on_stream
 
-__all__ = ["IntraOp", "ThreadState", "stage_threads"]
+__all__ = ["IntraOp", "ThreadState", "machine_has_room", "stage_threads"]
 
 _DEFAULT_THREADS = torch.get_num_threads()  # torch's default, before any user change
 _AUTOCAST_KINDS = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -97,6 +98,22 @@ def intra_op_threads(count: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def machine_has_room(threads: int) -> bool:
+    """Whether the machine's 1-minute load average is under ``threads + 1``: no more work
+    runnable than this process's own ``threads`` and one more.
+
+    A team of ``threads`` OpenMP threads is only fast while each gets a core: when other
+    processes keep the cores busy, every parallel region waits for a descheduled team mate
+    (on the 2-core development machine at load 6, torch's own 2-thread kernels ran a step
+    3.4× slower than 1-thread ones). So ``IntraOp`` lends a lone stage the whole count only
+    while the machine has room for it. Unknown (no ``getloadavg``): assumed to have room.
+    """
+    try:
+        return os.getloadavg()[0] < threads + 1
+    except OSError:
+        return True
+
+
 class IntraOp:
     """Per action, a CPU stage thread's intra-op threads while ``K`` share the caller's
     ``T``: ``share`` (``T // K``) while another stage can compute at the same time, all ``T``
@@ -145,8 +162,9 @@ class ThreadState:
 
     def intra_op(self, all_cpu: bool) -> Optional["IntraOp"]:
         """How the stage threads of one call (``all_cpu``: every one a ``cpu`` stage) set
-        their intra-op threads per action; ``None``: each keeps its share throughout."""
-        if not all_cpu or self.threads >= self.caller:
+        their intra-op threads per action; ``None``: each keeps its share throughout (also
+        while the machine is busy: see ``machine_has_room``)."""
+        if not all_cpu or self.threads >= self.caller or not machine_has_room(self.caller):
             return None
         return IntraOp(self.threads, self.caller)
 
