@@ -5,7 +5,7 @@ group of programs: usually one (a stage per thread, so CPU partitions overlap), 
 several on the calling thread when their backward must run there (accelerator stages,
 whose autograd work belongs to the engine's device threads). An action runs once its
 inputs are in the mailbox. If any action raises, the mailbox is marked failed, every
-other worker stops at its next wait, all threads are joined, and the original exception
+other worker stops at its next wait, all are waited for, and the original exception
 is raised on the caller with its own traceback, plus a note naming the stage and action.
 A Ctrl-C on the caller stops the workers the same way and waits for them. No worker is
 left running a stage after a call returns or raises (one still inside PyTorch when the
