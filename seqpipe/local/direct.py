@@ -81,7 +81,8 @@ class _Enter(torch.autograd.Function):
 
 # A leaf that requires grad, given to every ``_Exit`` so that its outputs require grad;
 # its gradient is always ``None`` (``_Exit.backward``), so nothing accumulates in it.
-_PHONY = torch.empty(0, device="cpu", requires_grad=True)
+with torch.inference_mode(False):  # even if seqpipe is imported inside inference mode
+    _PHONY = torch.empty(0, device="cpu", requires_grad=True)
 
 
 class _Exit(torch.autograd.Function):
@@ -132,7 +133,7 @@ def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Ten
     dropped on failure). Returns the output's shape (its tensors left out) and tensors."""
     tensors = given.batch.tensors
     if grad and any(wants_grad(t) for t in tensors):
-        tensors = _apply(_Enter, *tensors)
+        tensors = _Enter.apply(*tensors)
     tracker = StageSkipTracker(stage.crossing, {})
     try:
         with torch.enable_grad() if grad else torch.no_grad():
@@ -153,8 +154,10 @@ def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Ten
 
 def _apply(function: Any, *args: Any) -> Any:
     """``function.apply(*args)`` without ``Function.apply``'s Python layer (a call's fixed
-    cost) where that layer does nothing: no functorch transform is active and
-    ``function`` has no ``setup_context``."""
+    cost) where that layer does nothing: no functorch transform is active, ``function`` has
+    no ``setup_context``, and ``args`` are a partition's outputs (the dead functorch
+    wrappers that layer unwraps come only out of a transform, which nothing runs here; the
+    caller's inputs go through ``apply``)."""
     if torch._C._are_functorch_transforms_active():
         return function.apply(*args)
     return super(torch.autograd.Function, function).apply(*args)
