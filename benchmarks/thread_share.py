@@ -9,6 +9,11 @@ cores. ``Pipe`` now gives each of the ``K`` concurrent CPU stages ``max(1, T // 
 
 * ``plain``: the unwrapped model at ``T`` threads;
 * ``shared``: ``Pipe`` at torch's default count, as a user gets it now;
+* ``fixed share``: the same ``Pipe`` with every action at its share, also those during
+  which no other stage can compute (the behaviour before ``IntraOp``: a stage alone in the
+  pipeline's fill or drain used 1 of the 2 cores);
+* ``fresh, fixed``: the same, and a new thread per stage and phase (the behaviour before
+  ``seqpipe.local.pool``, which keeps stage threads warm between calls);
 * ``T per stage``: the same ``Pipe`` with the split turned off (every stage ``T`` threads,
   the behaviour before the fix);
 * ``1 thread``: the caller set ``torch.set_num_threads(1)`` (the issue's 188 ms regime);
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -31,6 +37,7 @@ from torch import nn
 
 import seqpipe.local.thread_state as thread_state
 from seqpipe import Pipe
+from seqpipe.local import pool
 
 DEFAULT_THREADS = torch.get_num_threads()
 
@@ -46,16 +53,35 @@ def _pipe(model: nn.Sequential, chunks: int) -> Pipe:
                 devices=["cpu", "cpu"])
 
 
-def _at(threads: int, step: Callable[[], None], split: bool = True) -> Callable[[], None]:
+def _fresh_thread(name: str, run: Callable[[], None], done: threading.Event) -> None:
+    """``pool.start`` as it was before the pool: a new thread for every stage and phase."""
+    def target() -> None:
+        try:
+            run()
+        finally:
+            done.set()
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+
+def _at(threads: int, step: Callable[[], None], split: bool = True,
+        alone: bool = True, fresh: bool = False) -> Callable[[], None]:
     def run() -> None:
         torch.set_num_threads(threads)
         default = thread_state._DEFAULT_THREADS
+        intra_op = thread_state.ThreadState.intra_op
+        start = pool.start
         if not split:  # the caller's count no longer looks like the default: kept per stage
             thread_state._DEFAULT_THREADS = -1
+        if not alone:  # every action at its share, also where it computes alone
+            thread_state.ThreadState.intra_op = lambda self, all_cpu: None  # type: ignore
+        if fresh:
+            pool.start = _fresh_thread  # type: ignore[assignment]
         try:
             step()
         finally:
             thread_state._DEFAULT_THREADS = default
+            thread_state.ThreadState.intra_op = intra_op  # type: ignore[method-assign]
+            pool.start = start  # type: ignore[assignment]
             torch.set_num_threads(DEFAULT_THREADS)
     return run
 
@@ -70,6 +96,9 @@ def variants(width: int, depth: int, batch: int, chunks: int) -> Dict[str, Calla
     out = {
         "plain": _at(DEFAULT_THREADS, stepper(clone(model))),
         "shared": _at(DEFAULT_THREADS, stepper(_pipe(clone(model), chunks))),
+        "fixed share": _at(DEFAULT_THREADS, stepper(_pipe(clone(model), chunks)), alone=False),
+        "fresh, fixed": _at(DEFAULT_THREADS, stepper(_pipe(clone(model), chunks)), alone=False,
+                            fresh=True),
         "T per stage": _at(DEFAULT_THREADS, stepper(_pipe(clone(model), chunks)), split=False),
         "1 thread": _at(1, stepper(_pipe(clone(model), chunks))),
     }
@@ -93,7 +122,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="keep only steps during which other processes used at most this "
                              "many cores (negative: keep every step)")
     parser.add_argument("--max-rounds", type=int, default=None)
+    parser.add_argument("--lend-under-load", action="store_true",
+                        help="let a lone stage take all T threads whatever the load average "
+                             "(thread_state.machine_has_room always true)")
     args = parser.parse_args(argv)
+    if args.lend_under_load:
+        thread_state.machine_has_room = lambda threads: True  # type: ignore[assignment]
+    print(f"# a lone stage takes all {DEFAULT_THREADS} threads now: "
+          f"{thread_state.machine_has_room(DEFAULT_THREADS)}")
     pin_malloc()
     max_foreign = args.max_foreign if args.max_foreign >= 0 else None
     print(f"# {machine([DEFAULT_THREADS])}")
@@ -115,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name, s in quiet.items():
         print(f"{name:<12} {s.median * 1e3:>9.1f} {s.iqr * 1e3:>7.1f} "
               f"{args.batch / s.median:>9.0f} {s.cores_used:>5.2f}")
-    for other in ("T per stage", "1 thread", "torchgpipe", "plain"):
+    for other in ("fixed share", "fresh, fixed", "T per stage", "1 thread", "torchgpipe", "plain"):
         if other in samples:
             ratio = paired_ratio(samples[other], samples["shared"], max_foreign=max_foreign)
             print(f"shared is {ratio:.2f}x as fast as {other} (median of paired rounds)")

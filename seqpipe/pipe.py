@@ -23,7 +23,13 @@ from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import LossFn
 from seqpipe.graph.origin import Origin, model_output
-from seqpipe.local.direct import pipeline_outputs, refuse_create_graph, run_direct, runs_direct
+from seqpipe.local.direct import (
+    any_trainable,
+    pipeline_outputs,
+    refuse_create_graph,
+    run_direct,
+    runs_direct,
+)
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -184,8 +190,11 @@ class Pipe(nn.Module):
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Run the mini-batch through the pipeline; the output is on the last device (in the
         model's own structure for a model converted by ``seqpipe.to_sequential``)."""
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling:
             warnings.warn(_COMPILE_WARNING, stacklevel=2)
+        if compiling or _dynamo_callback() is not None:  # run it hidden from dynamo
+            return model_output(self.origin, self._run_uncompiled(input))
         return model_output(self.origin, self._run(input))
 
     def train_step(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *,
@@ -238,7 +247,6 @@ class Pipe(nn.Module):
     def _run_step(self, step: TrainStep) -> Tensor:
         return step.run(self._pipeline, self.checkpoint if self.training else "never")
 
-    @torch._disable_dynamo  # torch.compiler.disable, but imports torch._dynamo when called
     def _run(self, input: TensorOrTensors) -> TensorOrTensors:
         if self._pending is not None:  # train_step(..., ddp=...): DDP's forward runs it
             step, self._pending = self._pending, None
@@ -248,8 +256,7 @@ class Pipe(nn.Module):
         pipeline = self._pipeline
         if len(pipeline.stages) == 1:  # one micro-batch: maybe the plain model's graph
             grad = torch.is_grad_enabled() and (
-                any(t.requires_grad for t in batch.tensors)
-                or any(p.requires_grad for p in self.parameters()))
+                any(t.requires_grad for t in batch.tensors) or any_trainable(self))
             stop = checkpoint_stop(self.checkpoint if self.training and grad else "never", 1)
             if runs_direct(pipeline.stages, given, self.chunks, stop, pipeline.isolate_rng):
                 shape, outputs = run_direct(pipeline.stages[0], given, grad)
@@ -264,8 +271,23 @@ class Pipe(nn.Module):
             outputs = call.forward()
         return call.shape.like(outputs).value
 
+    # ``_run`` with dynamo off inside (torch.compiler.disable, but torch._dynamo is imported
+    # at the first call): for a call that dynamo traces, or whose frames it would compile.
+    # Other calls skip its wrapper, a call's fixed cost (~40 µs after a backward).
+    _run_uncompiled = torch._disable_dynamo(_run)
+
     def extra_repr(self) -> str:
         return f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+
+
+_get_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+                        "get_eval_frame_callback", None)
+
+
+def _dynamo_callback() -> Any:
+    """Dynamo's frame callback on this thread (``None`` unless a compiled region is running),
+    read without importing ``torch._dynamo``; assumed set where it cannot be read."""
+    return True if _get_callback is None else _get_callback()
 
 
 _COMPILE_WARNING = (

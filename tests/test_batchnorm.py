@@ -9,6 +9,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from seqpipe import Pipe
+from seqpipe.core.batchnorm import convert_deferred_batch_norm
 
 STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -194,3 +195,27 @@ def test_a_failed_forward_does_not_leak_statistics_into_the_next_update() -> Non
     plain(x)
     torch.testing.assert_close(bn.running_mean, plain.running_mean)
     torch.testing.assert_close(bn.running_var, plain.running_var)
+
+
+def test_statistics_pending_elsewhere_neither_block_nor_get_this_pipes_commit() -> None:
+    """The end of a mini-batch walks the partitions only while some deferred BatchNorm holds
+    statistics (``seqpipe.core.batchnorm.end_statistics``): a pipe's own are committed even
+    while another model's are pending, those stay pending (and uncommitted) until their own
+    commit, and after that nothing is left pending to walk for."""
+    from seqpipe.core import batchnorm
+
+    torch.manual_seed(0)
+    elsewhere = convert_deferred_batch_norm(nn.Sequential(nn.BatchNorm1d(5)))
+    elsewhere(torch.randn(6, 5))  # accumulated outside any pipe: pending, not committed
+    before = elsewhere[0].running_mean.clone()
+    model = model_1d()
+    ref = copy.deepcopy(model)
+    pipe = cpu_pipe(model, [4], chunks=1, deferred_batch_norm=True)  # the direct call
+    x = torch.randn(8, 5) * 3 + 1
+    pipe(x).sum().backward()
+    ref(x).sum().backward()
+    assert_same_stats(pipe[1], ref[1])
+    assert set(batchnorm._pending) == {elsewhere[0]}
+    assert_close(elsewhere[0].running_mean, before)
+    elsewhere[0].commit()
+    assert not batchnorm._pending and not torch.equal(elsewhere[0].running_mean, before)

@@ -514,3 +514,22 @@ def test_torch_compile_of_a_pipe_runs_it_uncompiled_and_says_so() -> None:
                                          r"pipe.compile\(\)"):
         out = compiled(x)
     _assert_matches_plain(pipe, plain, out, x)
+
+
+@pytest.mark.parametrize("where", ["the pipe", "a function calling it"])
+def test_one_partition_under_torch_compile_runs_uncompiled_with_the_plain_gradients(
+        where: str) -> None:
+    """One micro-batch of one partition skips the engine, and its call skips the wrapper
+    that keeps dynamo out of the pipe unless dynamo traces it or compiles the frames it runs
+    (``Pipe.forward``): compiled, it still runs the plain model's graph, eagerly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    plain(x).square().sum().backward()
+    pipe = Pipe(model, chunks=1, balance=[3], devices=["cpu"])
+    compiled = torch.compile(pipe if where == "the pipe" else (lambda t: pipe(t) * 1),
+                             backend="eager")
+    with pytest.warns(UserWarning, match=r"torch.compile\(pipe\) runs the Pipe as it is"):
+        out = compiled(x)
+    _assert_matches_plain(pipe, plain, out, x)

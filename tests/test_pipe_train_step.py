@@ -284,7 +284,7 @@ def test_failure_in_a_microbatch_loss_names_it_and_the_pipe_recovers() -> None:
         pipe.train_step(x, y, loss_fn, schedule="1f1b")
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "stage 1" in notes and "forward of micro-batch 2" in notes
-    assert not [t for t in threading.enumerate() if t.name.startswith("seqpipe-")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("seqpipe-stage-")]
     model.zero_grad()
     _, grads_ref = reference(model, x, y)
     pipe.train_step(x, y, nn.functional.mse_loss, schedule="1f1b")

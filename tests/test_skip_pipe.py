@@ -52,8 +52,8 @@ def fresh_tracker() -> Iterator[SkipTracker]:
 
 
 def seqpipe_threads() -> list[threading.Thread]:
-    """Worker threads of the local engine that are still alive."""
-    return [t for t in threading.enumerate() if t.name.startswith("seqpipe-")]
+    """Worker threads of the local engine still running a stage (idle pooled ones are not)."""
+    return [t for t in threading.enumerate() if t.name.startswith("seqpipe-stage-")]
 
 
 # --------------------------------------------------------------------------- model zoo

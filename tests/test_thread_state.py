@@ -8,6 +8,7 @@ the state it sees in each phase, and the records must equal the plain model's.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import ExitStack, contextmanager
 from typing import Any, Dict, Iterator, List, Set, Tuple
 
@@ -222,15 +223,40 @@ def test_concurrent_stages_share_the_default_intra_op_threads(caller, concurrent
     assert stage_threads(caller, concurrent, default) == share
 
 
-@pytest.mark.parametrize("caller, share", [(2, 1), (3, 3)])  # default 2; 3 set by the user
-def test_worker_threads_use_their_share_and_the_caller_gets_its_count_back(
-        monkeypatch, caller, share):
-    seen: Dict[str, int] = {}
+@pytest.mark.parametrize("load, room", [(0.5, True), (2.9, True), (3.0, False), (12.0, False)])
+def test_a_machine_has_room_for_a_team_while_its_load_is_under_the_team_and_one(
+        monkeypatch, load, room):
+    monkeypatch.setattr(thread_state.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    assert thread_state.machine_has_room(2) is room
+
+
+Task = Tuple[str, int, float, float]  # thread, intra-op threads, start, end
+
+
+def _overlap(a: Task, b: Task) -> bool:
+    return a[0] != b[0] and a[2] < b[3] and b[2] < a[3]
+
+
+@pytest.mark.parametrize("caller, share, room", [  # default 2; 3 set by the user
+    (2, 1, True), (3, 3, True), (2, 1, False)])
+def test_stage_threads_share_the_default_count_and_take_it_all_when_alone(
+        monkeypatch, caller, share, room):
+    """While another stage can compute, a stage thread runs at its share; an action during
+    which none can (stage 0's first forward, stage 1's last, the ends of the backward) takes
+    the caller's whole default count if the machine has ``room``; two actions at the same
+    time never run more intra-op threads than the caller has. A count the user set is every
+    stage's, throughout. The caller gets its own count back."""
+    tasks: List[Task] = []
+
+    def timed() -> Any:
+        start = time.perf_counter()
+        time.sleep(0.005)  # long enough for overlaps to show
+        return threading.current_thread().name, torch.get_num_threads(), start, \
+            time.perf_counter()
 
     class Threads(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
-            seen[f"{threading.current_thread().name} grad={torch.is_grad_enabled()}"] = (
-                torch.get_num_threads())
+            tasks.append(timed())
             return x
 
     class Backward(torch.autograd.Function):
@@ -240,7 +266,7 @@ def test_worker_threads_use_their_share_and_the_caller_gets_its_count_back(
 
         @staticmethod
         def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-            seen[f"{threading.current_thread().name} backward"] = torch.get_num_threads()
+            tasks.append(timed())
             return grad
 
     class Both(Threads):
@@ -248,14 +274,23 @@ def test_worker_threads_use_their_share_and_the_caller_gets_its_count_back(
             return Backward.apply(super().forward(x))
 
     monkeypatch.setattr(thread_state, "_DEFAULT_THREADS", 2)
+    monkeypatch.setattr(thread_state, "machine_has_room", lambda threads: room)
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Both(), nn.Linear(4, 4), Both()),
-                chunks=2, balance=[2, 2], devices=["cpu", "cpu"])
+                chunks=4, balance=[2, 2], devices=["cpu", "cpu"], checkpoint="never")
     torch.set_num_threads(caller)
     try:
-        pipe(torch.randn(4, 4)).sum().backward()
+        pipe(torch.randn(8, 4)).sum().backward()
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(1)
-    assert len(seen) == 4  # two stages, forward and backward
-    assert set(seen.values()) == {share}
+    assert len(tasks) == 16  # two stages, four micro-batches, forward and backward
     assert after == caller
+    if share == caller or not room:
+        assert {n for _, n, _, _ in tasks} == {share}
+        return
+    assert {n for _, n, _, _ in tasks} == {share, caller}
+    assert tasks[0][:2] == ("MainThread", caller)  # stage 0's first forward runs alone
+    for a in tasks:
+        for b in tasks:
+            if _overlap(a, b):
+                assert a[1] + b[1] <= caller, (a, b)

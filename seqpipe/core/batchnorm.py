@@ -9,6 +9,7 @@ BatchNorm would reach on the whole mini-batch, with the unbiased variance PyTorc
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Tuple, Type, TypeVar, cast
 
 import torch
@@ -20,6 +21,10 @@ from seqpipe.core.flags import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm"]
 
+# The deferred BatchNorms that accumulated statistics since their last commit or reset, so
+# that the end of a mini-batch need not walk a partition's modules when there are none.
+_pending: "weakref.WeakSet[DeferredBatchNorm]" = weakref.WeakSet()
+
 
 class DeferredBatchNorm(_BatchNorm):
     """Mixed into a BatchNorm class by ``convert_deferred_batch_norm``; see the module doc."""
@@ -30,6 +35,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _reset_accumulators(self) -> None:
         self._count = 0
+        _pending.discard(self)
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalise with this micro-batch's statistics; remember them for ``commit``."""
@@ -42,6 +48,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _accumulate(self, input: Tensor) -> None:
+        _pending.add(self)
         dims = [d for d in range(input.dim()) if d != 1]
         x = input.detach().to(torch.float64)
         count = x.numel() // x.shape[1]
@@ -70,6 +77,21 @@ class DeferredBatchNorm(_BatchNorm):
             running = cast(Tensor, running)
             running.mul_(1 - factor).add_(value.to(running.dtype), alpha=factor)
         self._reset_accumulators()
+
+
+def end_statistics(module: nn.Module, *, failed: bool = False) -> None:
+    """At the end of a mini-batch: commit the statistics that ``module``'s deferred
+    BatchNorms accumulated, or drop them after a failed call (so they cannot leak into the
+    next mini-batch's update). Walks nothing while no deferred BatchNorm (of any model)
+    holds statistics: a call's fixed cost."""
+    if not _pending:
+        return
+    for layer in module.modules():
+        if isinstance(layer, DeferredBatchNorm):
+            if failed:
+                layer._reset_accumulators()
+            else:
+                layer.commit()
 
 
 _classes: Dict[Tuple[type, type], type] = {}

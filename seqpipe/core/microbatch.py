@@ -129,6 +129,8 @@ class Input:
     @classmethod
     def of(cls, input: object) -> "Input":
         """Read and check a pipeline input; ``TypeError``/``ValueError`` say what to mend."""
+        if isinstance(input, Tensor) and input.dim():  # the common case, per call: no walks
+            return cls(Batch((input,), True), (False,))
         if isinstance(input, (Tensor, NoChunk)):
             items: Sequence[Any] = (input,)
         elif isinstance(input, (tuple, list)):

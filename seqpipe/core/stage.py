@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from seqpipe.core.batchnorm import DeferredBatchNorm
+from seqpipe.core.batchnorm import end_statistics
 from seqpipe.core.caller_input import CallerInput
 from seqpipe.core.checkpoint import Replay, first_pass, refusing_reentrant, run_task
 from seqpipe.core.entry import Entry, enter
@@ -237,12 +237,14 @@ class Stage:
         # Take the outgoing skips out of the tracker: a checkpoint keeps the tracker (for
         # its recomputation) until backward, and must not keep the skips alive with it.
         outgoing, tracker.outgoing = tracker.outgoing, {}
-        missing = self.outgoing - set(outgoing)
+        missing = self.outgoing - set(outgoing) if self.outgoing else None
         if missing:
             raise RuntimeError(
                 f"skip {sorted(name for _, name in missing)} is popped in a later partition "
                 f"but was not stashed in this call; a skippable layer must stash every "
                 f"name it declares each time it runs (stash None to send nothing)")
+        if isinstance(out, Tensor):  # the common case: nothing to name in an error
+            return Sent(Batch((out,), True), outgoing)
         last = self.index == self.layout.num_partitions - 1
         return Sent(Batch.of(out, layer=type(self.partition[-1]).__name__, last=last), outgoing)
 
@@ -392,9 +394,4 @@ class Stage:
         After a failed call the partial statistics are dropped instead, so they cannot leak
         into the next mini-batch's update.
         """
-        for module in self.partition.modules():
-            if isinstance(module, DeferredBatchNorm):
-                if failed:
-                    module._reset_accumulators()
-                else:
-                    module.commit()
+        end_statistics(self.partition, failed=failed)

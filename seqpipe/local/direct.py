@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from seqpipe.core.microbatch import Batch, Input, gather
 from seqpipe.core.sink import ddp_forward_running
@@ -39,8 +39,8 @@ from seqpipe.core.stage import Stage, wants_grad
 from seqpipe.skip.tracker import StageSkipTracker
 from seqpipe.trace import hooks
 
-__all__ = ["DOUBLE_BACKWARD", "SECOND_BACKWARD", "pipeline_outputs", "refuse_create_graph",
-           "runs_direct", "run_direct"]
+__all__ = ["DOUBLE_BACKWARD", "SECOND_BACKWARD", "any_trainable", "pipeline_outputs",
+           "refuse_create_graph", "runs_direct", "run_direct"]
 
 # What the engine and the direct call refuse, in the same words.
 SECOND_BACKWARD = ("this pipeline output was already backpropagated; its activations are "
@@ -79,6 +79,12 @@ class _Enter(torch.autograd.Function):
         return grads
 
 
+# A leaf that requires grad, given to every ``_Exit`` so that its outputs require grad;
+# its gradient is always ``None`` (``_Exit.backward``), so nothing accumulates in it.
+with torch.inference_mode(False):  # even if seqpipe is imported inside inference mode
+    _PHONY = torch.empty(0, device="cpu", requires_grad=True)
+
+
 class _Exit(torch.autograd.Function):
     """The outputs as new tensors; refuses double and second backwards (see the module)."""
 
@@ -104,12 +110,21 @@ def runs_direct(stages: Sequence[Stage], given: Input, chunks: int, checkpoint_s
     private RNG, nothing tracing, no ``DistributedDataParallel`` forward."""
     if len(stages) != 1 or stages[0].device.type != "cpu" or checkpoint_stop or isolate_rng:
         return False
-    cut = given.cut
-    if not cut or min(chunks, cut[0].shape[0]) != 1:
+    if hooks.enabled() or ddp_forward_running():
         return False
-    if any(t.device.type != "cpu" for t in given.batch.tensors):
+    if chunks != 1 and given.size != 1:
         return False
-    return not hooks.enabled() and not ddp_forward_running()
+    return all(t.is_cpu for t in given.batch.tensors)
+
+
+def any_trainable(module: nn.Module) -> bool:
+    """Whether some parameter of ``module`` (or of its submodules) requires grad:
+    ``any(p.requires_grad for p in module.parameters())``, walked without generators (a
+    call's fixed cost)."""
+    for param in module._parameters.values():
+        if param is not None and param.requires_grad:
+            return True
+    return any(child is not None and any_trainable(child) for child in module._modules.values())
 
 
 def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Tensor, ...]]:
@@ -133,5 +148,16 @@ def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Ten
     gathered = Batch.of(gather([sent.outputs]))
     if not grad:
         return gathered.like(()), tuple(t.detach() for t in gathered.tensors)
-    phony = torch.empty(0, requires_grad=True)  # the outputs require grad, as the engine's
-    return gathered.like(()), _Exit.apply([False], phony, *gathered.tensors)
+    # The outputs require grad, as the engine's, even where the partition's do not.
+    return gathered.like(()), _apply(_Exit, [False], _PHONY, *gathered.tensors)
+
+
+def _apply(function: Any, *args: Any) -> Any:
+    """``function.apply(*args)`` without ``Function.apply``'s Python layer (a call's fixed
+    cost) where that layer does nothing: no functorch transform is active, ``function`` has
+    no ``setup_context``, and ``args`` are a partition's outputs (the dead functorch
+    wrappers that layer unwraps come only out of a transform, which nothing runs here; the
+    caller's inputs go through ``apply``)."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)

@@ -23,10 +23,13 @@ Threads. Stages that run at the same time share the caller's intra-op thread cou
 run ``K × T`` compute threads on ``T`` cores. The split applies while ``T`` is torch's
 default (the count the process had when seqpipe was imported, which follows
 ``OMP_NUM_THREADS``); a count the user set with ``torch.set_num_threads`` to another
-value is the user's choice and every stage gets it as it is.
+value is the user's choice and every stage gets it as it is. While the split applies, an
+action during which no other stage can compute (the pipeline's fill and drain) takes all
+``T`` (``IntraOp``), if the machine has room for them (``machine_has_room``).
 """
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,7 +39,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 
 from seqpipe.core.stream import on_stream
 
-__all__ = ["ThreadState", "stage_threads"]
+__all__ = ["IntraOp", "ThreadState", "machine_has_room", "stage_threads"]
 
 _DEFAULT_THREADS = torch.get_num_threads()  # torch's default, before any user change
 _AUTOCAST_KINDS = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -95,6 +98,43 @@ def intra_op_threads(count: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def machine_has_room(threads: int) -> bool:
+    """Whether the machine's 1-minute load average is under ``threads + 1``: no more work
+    runnable than this process's own ``threads`` and one more.
+
+    A team of ``threads`` OpenMP threads is only fast while each gets a core: when other
+    processes keep the cores busy, every parallel region waits for a descheduled team mate
+    (on the 2-core development machine at load 6, torch's own 2-thread kernels ran a step
+    3.4× slower than 1-thread ones). So ``IntraOp`` lends a lone stage the whole count only
+    while the machine has room for it. Unknown (no ``getloadavg``): assumed to have room.
+    """
+    try:
+        return os.getloadavg()[0] < threads + 1
+    except OSError:
+        return True
+
+
+class IntraOp:
+    """Per action, a CPU stage thread's intra-op threads while ``K`` share the caller's
+    ``T``: ``share`` (``T // K``) while another stage can compute at the same time, all ``T``
+    (``alone``) for an action during which none can: every other stage thread has finished
+    or waits for data that only this action's results will bring (the first micro-batch's
+    forward, the last one's on the last stage, the ends of the backward; see
+    ``seqpipe.local.worker``). So the pipeline's bubble runs at the plain model's
+    intra-op parallelism instead of leaving cores idle, and the threads busy at once
+    never exceed ``T``."""
+
+    def __init__(self, share: int, alone: int) -> None:
+        self.share = share
+        self.alone = alone
+
+    def take(self, alone: bool) -> None:
+        """On a stage thread, before an action: ``alone`` says whether it runs alone."""
+        count = self.alone if alone else self.share
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+
+
 class ThreadState:
     """The caller's thread-local settings, captured now, to replay in worker threads.
 
@@ -104,7 +144,8 @@ class ThreadState:
     """
 
     def __init__(self, *, concurrent: int = 1, devices: Sequence[torch.device] = ()) -> None:
-        self.threads = stage_threads(torch.get_num_threads(), concurrent)
+        self.caller = torch.get_num_threads()
+        self.threads = stage_threads(self.caller, concurrent)
         self.streams = [torch.accelerator.current_stream(d)
                         for d in dict.fromkeys(devices) if d.type != "cpu"]
         self.autocast: List[Tuple[str, torch.dtype]] = [
@@ -118,6 +159,14 @@ class ThreadState:
             torch._C._autograd._top_saved_tensors_default_hooks(False))
         self.hooks_disabled: Optional[str] = (
             torch._C._autograd._saved_tensors_hooks_get_disabled_error_message())
+
+    def intra_op(self, all_cpu: bool) -> Optional["IntraOp"]:
+        """How the stage threads of one call (``all_cpu``: every one a ``cpu`` stage) set
+        their intra-op threads per action; ``None``: each keeps its share throughout (also
+        while the machine is busy: see ``machine_has_room``)."""
+        if not all_cpu or self.threads >= self.caller or not machine_has_room(self.caller):
+            return None
+        return IntraOp(self.threads, self.caller)
 
     def share_threads(self, stack: ExitStack) -> None:
         """On the caller's own thread: only its share of the intra-op threads."""

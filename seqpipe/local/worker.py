@@ -5,14 +5,16 @@ group of programs: usually one (a stage per thread, so CPU partitions overlap), 
 several on the calling thread when their backward must run there (accelerator stages,
 whose autograd work belongs to the engine's device threads). An action runs once its
 inputs are in the mailbox. If any action raises, the mailbox is marked failed, every
-other worker stops at its next wait, all threads are joined, and the original exception
+other worker stops at its next wait, all are waited for, and the original exception
 is raised on the caller with its own traceback, plus a note naming the stage and action.
-A Ctrl-C on the caller stops and joins the workers the same way. Threads live for one
-phase only, so none is left running after a call returns or raises (one still inside
-PyTorch when the interpreter shuts down would abort the process).
+A Ctrl-C on the caller stops the workers the same way and waits for them. No worker is
+left running a stage after a call returns or raises (one still inside PyTorch when the
+interpreter shuts down would abort the process); the threads themselves come from
+``seqpipe.local.pool`` and wait, idle, for the next call.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -20,7 +22,8 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 
 import torch
 
-from seqpipe.local.thread_state import ThreadState
+from seqpipe.local import pool
+from seqpipe.local.thread_state import IntraOp, ThreadState
 from seqpipe.schedule import Action
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
@@ -90,15 +93,39 @@ def device_context(device: torch.device) -> Any:
     return torch.accelerator.device_index(device.index)
 
 
-def _drive(programs: List[Program], mailbox: Mailbox) -> None:
-    positions = [0] * len(programs)
+class _Board:
+    """What every worker thread of one ``run_groups`` call is doing, so that one starting an
+    action can tell whether any other could compute meanwhile (read and written under the
+    mailbox's lock, or in an order a reader there cannot misread)."""
+
+    def __init__(self, groups: Sequence[List[Program]]) -> None:
+        self.groups = groups
+        self.positions = [[0] * len(group) for group in groups]
+        self.busy = [False] * len(groups)
+
+    def _runnable(self, g: int) -> bool:
+        return self.busy[g] or any(
+            position < len(program.actions) and program.ready(program.actions[position])
+            for program, position in zip(self.groups[g], self.positions[g]))
+
+    def alone(self, g: int) -> bool:
+        """Whether worker ``g``'s next action is the only computation that can run until it
+        hands its results on: every other worker is finished or waits for data."""
+        return not any(self._runnable(h) for h in range(len(self.groups)) if h != g)
+
+
+def _drive(board: _Board, g: int, mailbox: Mailbox, threads: Optional[IntraOp]) -> None:
+    programs, positions = board.groups[g], board.positions[g]
     chosen: List[int] = []
+    alone = [False]
 
     def any_ready() -> bool:
         for k, program in enumerate(programs):
             if positions[k] < len(program.actions) and program.ready(
                     program.actions[positions[k]]):
                 chosen[:] = [k]
+                board.busy[g] = True
+                alone[0] = threads is not None and board.alone(g)
                 return True
         return False
 
@@ -110,6 +137,8 @@ def _drive(programs: List[Program], mailbox: Mailbox) -> None:
             mailbox.wait_for(any_ready)
         k = chosen[0]
         action = programs[k].actions[positions[k]]
+        if threads is not None:
+            threads.take(alone[0])
         try:
             with device_context(programs[k].device):
                 programs[k].execute(action)
@@ -118,7 +147,9 @@ def _drive(programs: List[Program], mailbox: Mailbox) -> None:
             exc.add_note(f"seqpipe: raised by stage {stage} in the "
                          f"{action.phase.value} of micro-batch {action.microbatch}")
             raise
-        positions[k] += 1
+        finally:
+            positions[k] += 1  # before busy clears: a reader then sees the next action
+            board.busy[g] = False
 
 
 def _waiting(programs: List[Program], positions: List[int]) -> Any:
@@ -131,12 +162,8 @@ def _waiting(programs: List[Program], positions: List[int]) -> Any:
     return hooks.span(EventKind.WAIT, stage, action.microbatch, peer=peer, what=what)
 
 
-def _join(workers: List[Tuple[threading.Thread, threading.Event]], mailbox: Mailbox) -> None:
-    """Wait for the workers; on Ctrl-C, stop them (at their next wait), wait, re-raise.
-
-    Waits on each worker's ``done`` event first: an interrupted ``Thread.join`` can mark a
-    running thread stopped (Python 3.11), after which ``join`` returns at once.
-    """
+def _join(workers: List[Tuple[str, threading.Event]], mailbox: Mailbox) -> None:
+    """Wait for the workers; on Ctrl-C, stop them (at their next wait), wait, re-raise."""
     try:
         for _, done in workers:
             done.wait()
@@ -145,50 +172,42 @@ def _join(workers: List[Tuple[threading.Thread, threading.Event]], mailbox: Mail
         for _, done in workers:
             done.wait()
         raise
-    for thread, _ in workers:
-        thread.join()
 
 
 def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
                state: Optional[ThreadState] = None) -> None:
-    """Run each group of programs on its own thread (the first on the caller's).
+    """Run each group of programs on its own thread (the first on the caller's, the others
+    on pooled workers: ``seqpipe.local.pool``).
 
     Worker threads first enter the caller's thread-local ``state``; the caller's thread
     already has it, and only takes its share of the intra-op threads until all are joined.
     """
     errors: List[BaseException] = []
+    board = _Board(groups)
+    threads = None if state is None else state.intra_op(
+        all(p.device.type == "cpu" for group in groups for p in group))
 
-    def work(group: List[Program], replay: bool) -> None:
+    def work(g: int, replay: bool) -> None:
         try:
             with ExitStack() as stack:
                 if state is not None and replay:
                     state.enter(stack)
-                _drive(group, mailbox)
+                _drive(board, g, mailbox, threads)
         except _Aborted:
             pass
         except BaseException as exc:  # noqa: B902 - re-raised on the caller below
             errors.append(exc)
             mailbox.fail()
 
-    def run(group: List[Program], done: threading.Event) -> None:
-        try:
-            work(group, True)
-        finally:
-            done.set()
-
-    workers = []
-    for group in groups[1:]:
-        if group:
-            done = threading.Event()
-            workers.append((threading.Thread(target=run, args=(group, done), daemon=True,
-                                             name=f"seqpipe-stage-{group[0].stage}"), done))
+    others = [g for g in range(1, len(groups)) if groups[g]]
+    workers = [(f"seqpipe-stage-{groups[g][0].stage}", threading.Event()) for g in others]
     with ExitStack() as caller:
         if state is not None:
             state.share_threads(caller)
-        for thread, _ in workers:
-            thread.start()
+        for g, (name, done) in zip(others, workers):  # ``work`` keeps what it raises
+            pool.start(name, functools.partial(work, g, True), done)
         if groups and groups[0]:
-            work(groups[0], False)
+            work(0, False)
         _join(workers, mailbox)
     if errors:
         # Raise the first error with no list or local of ours left holding it: its traceback
