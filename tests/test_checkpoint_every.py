@@ -250,7 +250,6 @@ def test_never_and_the_last_micro_batch_are_not_checkpointed() -> None:
     assert not any(k in ("F", "R") for k, _ in log)
 
 
-
 @pytest.mark.parametrize("every", (1, 2))
 def test_the_partitions_own_hooks_run_around_its_segments(every: int) -> None:
     """Hooks registered on a partition module run once per micro-batch around its

@@ -24,7 +24,7 @@ What stays as for a whole-partition checkpoint:
 * **Flags.** Each segment's forward runs under ``is_checkpointing()``, its recomputation
   under ``is_recomputing()`` (deferred BatchNorm counts its statistics once).
 * **The partition's own hooks.** The segments run as the partition's forward, through its
-  ``__call__`` (``run_as_forward``), so the hooks registered on the partition module run
+  ``__call__`` (``_as_forward``), so the hooks registered on the partition module run
   around them once, as around ``partition(x)``: FSDP2's on a stage sharded as a whole
   (``fully_shard(stage)``: all-gather the parameters no inner unit owns, cast the input
   under a mixed-precision policy, register the reduction), or a user's forward hooks.
@@ -48,7 +48,7 @@ from seqpipe.core.rng import PrivateStreams
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
 
-__all__ = ["run_as_forward", "run_segments", "segments_of", "skips_between"]
+__all__ = ["run_segments", "segments_of", "skips_between"]
 
 Call = Callable[[nn.Module, Any], Any]  # runs one segment on a value (the stage's tracker on)
 
@@ -73,7 +73,7 @@ def skips_between(layout: SkipLayout, stage: int, every: Optional[int]) -> Froze
 def run_segments(partition: nn.Module, segments: Sequence[nn.Module], call: Call,
                  value: Any, *, seed: Optional[int]) -> Any:
     """Run ``segments`` (of ``partition``) in turn from ``value``, each checkpointed on its
-    own, as ``partition``'s forward (its hooks around them, see ``run_as_forward``).
+    own, as ``partition``'s forward (its hooks around them, see ``_as_forward``).
 
     ``seed`` selects the task's private random streams, as in ``run_task``; ``None`` keeps
     the global generators, which each segment's checkpoint saves and restores.
@@ -85,10 +85,10 @@ def run_segments(partition: nn.Module, segments: Sequence[nn.Module], call: Call
             for segment in segments:
                 value = _checkpointed(segment, call, value, streams)
         return value
-    return run_as_forward(partition, forward, value)
+    return _as_forward(partition, forward, value)
 
 
-def run_as_forward(module: nn.Module, forward: Callable[[Any], Any], value: Any) -> Any:
+def _as_forward(module: nn.Module, forward: Callable[[Any], Any], value: Any) -> Any:
     """``forward(value)`` run in ``module``'s place: through ``module(value)``, so that the
     forward pre- and post-hooks registered on ``module`` run around it exactly as they run
     around ``module``'s own forward (an instance attribute shadows the class's ``forward``
