@@ -250,6 +250,29 @@ def test_never_and_the_last_micro_batch_are_not_checkpointed() -> None:
     assert not any(k in ("F", "R") for k, _ in log)
 
 
+@pytest.mark.parametrize("every", (1, 2))
+def test_the_partitions_own_hooks_run_around_its_segments(every: int) -> None:
+    """Hooks registered on a partition module run once per micro-batch around its
+    segments, as around the partition, and what they change reaches the output and the
+    gradients as under checkpoint="never" (a segment's recomputation recomputes the
+    segment, after the hooks). FSDP2's hooks on a stage sharded as a whole gather its
+    parameters there (tests/test_fsdp.py). Calling the segments alone skipped them."""
+    def hooked(checkpoint: str, every: Optional[int]) -> Tuple[Result, List[str]]:
+        calls: List[str] = []
+        pipe = cpu_pipe(dropout_model(), [4, 4], chunks=3, checkpoint=checkpoint,
+                        checkpoint_every=every)
+        partition = pipe.partitions[1]
+        partition.register_forward_pre_hook(
+            lambda module, args: (calls.append("pre"), (args[0] * 2,))[1])
+        partition.register_forward_hook(
+            lambda module, args, out: (calls.append("post"), out + 1)[1])
+        return train(pipe, 5), calls
+
+    result, calls = hooked("always", every)
+    assert calls == ["pre", "post"] * 3  # once per micro-batch, not per segment
+    assert_same(result, hooked("never", None)[0], exact=True)
+
+
 # -- memory --------------------------------------------------------------------------------
 
 class _MallInfo2(ctypes.Structure):

@@ -23,6 +23,13 @@ What stays as for a whole-partition checkpoint:
   (``StageSkipTracker.between``); skips to and from other partitions work as before.
 * **Flags.** Each segment's forward runs under ``is_checkpointing()``, its recomputation
   under ``is_recomputing()`` (deferred BatchNorm counts its statistics once).
+* **The partition's own hooks.** The segments run as the partition's forward, through its
+  ``__call__`` (``_as_forward``), so the hooks registered on the partition module run
+  around them once, as around ``partition(x)``: FSDP2's on a stage sharded as a whole
+  (``fully_shard(stage)``: all-gather the parameters no inner unit owns, cast the input
+  under a mixed-precision policy, register the reduction), or a user's forward hooks.
+  Calling the segments alone skipped them, and a sharded stage then ran its layers on
+  the sharded ``DTensor`` parameters.
 
 Split backwards (``I`` then ``W``) recompute a checkpointed micro-batch once, at ``I``,
 for both halves (``Stage.backward_input``); everything recomputed must then live until
@@ -63,18 +70,38 @@ def skips_between(layout: SkipLayout, stage: int, every: Optional[int]) -> Froze
                      if (s.stash_layer - first) // every != (s.pop_layer - first) // every)
 
 
-def run_segments(segments: Sequence[nn.Module], call: Call, value: Any, *,
-                 seed: Optional[int]) -> Any:
-    """Run ``segments`` in turn from ``value``, each checkpointed on its own.
+def run_segments(partition: nn.Module, segments: Sequence[nn.Module], call: Call,
+                 value: Any, *, seed: Optional[int]) -> Any:
+    """Run ``segments`` (of ``partition``) in turn from ``value``, each checkpointed on its
+    own, as ``partition``'s forward (its hooks around them, see ``_as_forward``).
 
     ``seed`` selects the task's private random streams, as in ``run_task``; ``None`` keeps
     the global generators, which each segment's checkpoint saves and restores.
     """
     streams = None if seed is None else PrivateStreams(seed)
-    with nullcontext() if streams is None else streams.live():
-        for segment in segments:
-            value = _checkpointed(segment, call, value, streams)
-    return value
+
+    def forward(value: Any) -> Any:
+        with nullcontext() if streams is None else streams.live():
+            for segment in segments:
+                value = _checkpointed(segment, call, value, streams)
+        return value
+    return _as_forward(partition, forward, value)
+
+
+def _as_forward(module: nn.Module, forward: Callable[[Any], Any], value: Any) -> Any:
+    """``forward(value)`` run in ``module``'s place: through ``module(value)``, so that the
+    forward pre- and post-hooks registered on ``module`` run around it exactly as they run
+    around ``module``'s own forward (an instance attribute shadows the class's ``forward``
+    for this one call; the partition runs one task at a time, on one thread)."""
+    own = module.__dict__.get("forward")  # a forward the instance already had (rare)
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        return module(value)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own  # type: ignore[method-assign]
 
 
 def _checkpointed(segment: nn.Module, call: Call, value: Any,

@@ -263,7 +263,7 @@ class Stage:
         with state.recording():
             if checkpoint and self.segments:  # checkpoint_every: segment by segment
                 tracker.between = self.between
-                out = run_segments(self.segments, self._layers(tracker, sink),
+                out = run_segments(self.partition, self.segments, self._layers(tracker, sink),
                                    received.inputs.like(inputs).value, seed=seed)
             else:
                 out = run_task(self._call(tracker, received.inputs, checkpoint or replaying,
