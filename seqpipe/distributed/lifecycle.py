@@ -84,6 +84,7 @@ class CallLifecycle:
         self.broadcast_buffers = broadcast_buffers
         # verdicts before FSDP2's collectives (DistributedPipe(sharded_failure_checks=...))
         self.sharded_failure_checks = False
+        self.mesh: Any = None  # DistributedPipe(mesh=...): where received DTensors are rebuilt
         self.rank = transport.index
         self.num_ranks = placement.num_ranks
         self.num_stages = placement.num_stages
@@ -193,7 +194,8 @@ class CallLifecycle:
         reducer = self.reducer
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
                     seed=seed, timer=self.auto.timer() if self.auto else None,
-                    replica=reducer.replica if reducer else None, reducer=reducer)
+                    replica=reducer.replica if reducer else None, reducer=reducer,
+                    mesh=self.mesh)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
         with self._undoing_on_failure():
             loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint,
@@ -211,7 +213,7 @@ class CallLifecycle:
         """One ``DistributedPipe.forward`` on this rank (the caller turns off autograd)."""
         self.transport.begin()
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=False,
-                    replica=self.reducer.replica if self.reducer else None)
+                    replica=self.reducer.replica if self.reducer else None, mesh=self.mesh)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
         with self._undoing_on_failure():
             output = self._forward(call, input, chunks)
