@@ -28,6 +28,7 @@ coordinate of it (on the receiver).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -161,6 +162,13 @@ def check_mesh(mesh: Any) -> Any:
     return mesh
 
 
+def _any_dtensor(tensors: Sequence[Optional[Tensor]]) -> bool:
+    """Whether one of ``tensors`` is a ``DTensor`` (none can be before
+    ``torch.distributed.tensor`` is imported)."""
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and any(isinstance(t, cls) for t in tensors)
+
+
 def _returning(kind: Kind, microbatch: int, key: int, origin: int) -> _Identity:
     """The identity of the gradient message that answers a forward message (an
     activation from stage ``origin`` comes back from ``origin + 1``; a skip by its key)."""
@@ -202,8 +210,8 @@ class Crossing:
         shard) and its values (with the descriptions, first); a gradient is first laid out
         as the ``DTensor`` it is the gradient of. Plain messages pass unchanged."""
         layouts = (self._received.pop(_identity(kind, microbatch, key, origin), None)
-                   if kind in _BACKWARD and self._received else None)
-        if layouts is None and not any(_is_dtensor(t) for t in tensors):
+                   if self._received and kind in _BACKWARD else None)
+        if layouts is None and not _any_dtensor(tensors):  # the usual case: at once
             return tensors, values
         sender, what = self._name(None), WHAT[kind]
         if kind in _BACKWARD:
@@ -228,8 +236,8 @@ class Crossing:
         the ``DTensor`` it answers (``src``: the rank it came from). Plain messages pass
         unchanged."""
         values = message.values
-        if not values or values[0][0] >= 0:
-            if message.kind in _BACKWARD and self._sent:
+        if not values or values[0][0] >= 0:  # the usual case: at once
+            if self._sent and message.kind in _BACKWARD:
                 self._sent.pop(_identity(message.kind, message.microbatch, message.key,
                                          message.origin), None)
             return message
