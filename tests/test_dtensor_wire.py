@@ -36,10 +36,10 @@ def test_mesh_must_be_a_device_mesh() -> None:
 
 def test_plain_messages_pass_unchanged() -> None:
     """Without a DTensor, the tensors, values and message are the very objects given."""
-    crossing = Crossing({}, None, lambda rank: f"stage {rank}")
+    crossing, name = Crossing({}, None), (lambda rank: f"stage {rank}")
     tensors, values = [torch.ones(2)], ((0, 3),)
-    assert crossing.outgoing(Kind.ACTIVATION, 0, -1, 0, tensors, [True], values) == (
+    assert crossing.outgoing(Kind.ACTIVATION, 0, -1, 0, tensors, [True], values, name) == (
         tensors, values)
-    assert crossing.outgoing(Kind.GRAD, 0, -1, 1, tensors, None, ()) == (tensors, ())
+    assert crossing.outgoing(Kind.GRAD, 0, -1, 1, tensors, None, (), name) == (tensors, ())
     message = Message(Kind.ACTIVATION, 0, -1, (torch.ones(2),), (True,), values=values)
-    assert crossing.incoming(message, 0) is message
+    assert crossing.incoming(message, 0, name) is message

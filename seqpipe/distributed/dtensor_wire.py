@@ -43,6 +43,7 @@ from seqpipe.distributed.wire import Kind, Message
 __all__ = ["Crossing", "check_mesh"]
 
 _Identity = Tuple[Kind, int, int, int]  # a gradient message's kind, micro-batch, key, origin
+_Name = Callable[[Optional[int]], str]  # how errors name a rank (None: this one)
 _FORWARD = (Kind.ACTIVATION, Kind.SKIP)
 _BACKWARD = (Kind.GRAD, Kind.SKIP_GRAD)
 
@@ -189,23 +190,22 @@ class Crossing:
 
     ``stages``: this rank's stages (their ``DTensor`` parameters' meshes are where a
     received ``DTensor`` is rebuilt, without ``mesh``); ``mesh``: the
-    ``DistributedPipe(mesh=...)``, or ``None``; ``name``: how errors name a rank (this
-    one for ``None``). It remembers the layout of every
-    ``DTensor`` sent or received that wants a gradient, until the gradient passes.
+    ``DistributedPipe(mesh=...)``, or ``None``. It remembers the layout of every
+    ``DTensor`` sent or received that wants a gradient, until the gradient passes. Each
+    method takes ``name``, how errors name a rank (``Call.name``: by its stage; this one
+    for ``None``), rather than holding it: a bound method would tie the call in a cycle.
     """
 
-    def __init__(self, stages: Dict[int, Stage], mesh: Any,
-                 name: Callable[[Optional[int]], str]) -> None:
+    def __init__(self, stages: Dict[int, Stage], mesh: Any) -> None:
         self._stages = stages
         self._mesh = mesh
-        self._name = name  # how errors name a rank (``Call.name``: by its stage)
         self._sent: Dict[_Identity, Dict[int, _Layout]] = {}  # their gradients come back
         self._received: Dict[_Identity, Dict[int, _Layout]] = {}  # theirs go back
         self._meshes: Dict[Tuple[str, ...], Any] = {}
 
     def outgoing(self, kind: Kind, microbatch: int, key: int, origin: int,
                  tensors: Sequence[Optional[Tensor]], flags: Optional[Sequence[bool]],
-                 values: Values) -> Tuple[Sequence[Optional[Tensor]], Values]:
+                 values: Values, name: _Name) -> Tuple[Sequence[Optional[Tensor]], Values]:
         """The tensors of a message as they go on the wire (each ``DTensor`` its local
         shard) and its values (with the descriptions, first); a gradient is first laid out
         as the ``DTensor`` it is the gradient of. Plain messages pass unchanged."""
@@ -213,7 +213,7 @@ class Crossing:
                    if self._received and kind in _BACKWARD else None)
         if layouts is None and not _any_dtensor(tensors):  # the usual case: at once
             return tensors, values
-        sender, what = self._name(None), WHAT[kind]
+        sender, what = name(None), WHAT[kind]
         if kind in _BACKWARD:
             tensors = _as_sent(tensors, layouts or {}, sender, what)
         out: List[Optional[Tensor]] = list(tensors)
@@ -230,7 +230,7 @@ class Crossing:
             self._sent[_returning(kind, microbatch, key, origin)] = kept
         return out, (*described, *values)
 
-    def incoming(self, message: Message, src: int) -> Message:
+    def incoming(self, message: Message, src: int, name: _Name) -> Message:
         """``message`` with its ``DTensor``s rebuilt from their shards: an activation or
         skip on this rank's mesh of the sender's dimension names, a gradient on the mesh of
         the ``DTensor`` it answers (``src``: the rank it came from). Plain messages pass
@@ -253,7 +253,8 @@ class Crossing:
         else:
             kept: Dict[int, _Layout] = {}
             for j, description in described.items():
-                layout = description.layout(self._mesh_for(description, src, message.kind))
+                layout = description.layout(self._mesh_for(description, src, message.kind,
+                                                            name))
                 tensors[j] = layout.build(tensors[j])  # type: ignore[arg-type]
                 if message.flags[j]:
                     kept[j] = layout
@@ -263,17 +264,17 @@ class Crossing:
         return dataclasses.replace(message, tensors=tuple(tensors),
                                    values=tuple(v for v in values if v[0] >= 0))
 
-    def _mesh_for(self, description: _Description, src: int, kind: Kind) -> Any:
+    def _mesh_for(self, description: _Description, src: int, kind: Kind, name: _Name) -> Any:
         """This rank's mesh of the described dimensions, checked against the sender's."""
         names = description.names
         mesh = self._meshes.get(names)
         if mesh is None:
-            mesh = self._find(names, description, src, kind)
+            mesh = self._find(names, description, src, kind, name)
             self._meshes[names] = mesh
         coordinate = tuple(mesh.get_coordinate() or ())
         if tuple(mesh.shape) != description.sizes or coordinate != description.coordinate:
             raise ValueError(
-                f"{self._name(None)} received a DTensor {WHAT[kind]} from {self._name(src)} ("
+                f"{name(None)} received a DTensor {WHAT[kind]} from {name(src)} ("
                 f"{description.shown()}, the sender at coordinate {description.coordinate}), "
                 f"but this rank is at coordinate {coordinate} of a mesh of those dimensions "
                 f"sized {tuple(mesh.shape)}: its shard would land on the wrong rank. Build "
@@ -283,7 +284,7 @@ class Crossing:
         return mesh
 
     def _find(self, names: Tuple[str, ...], description: _Description, src: int,
-              kind: Kind) -> Any:
+              kind: Kind, name: _Name) -> Any:
         """The sub-mesh of ``names``: of ``DistributedPipe(mesh=...)``, else of a mesh of
         one of this rank's ``DTensor`` parameters that has them."""
         candidates = [self._mesh] if self._mesh is not None else [
@@ -297,7 +298,7 @@ class Crossing:
                  f"{tuple(self._mesh.mesh_dim_names or ())}" if self._mesh is not None else
                  "none of its parameters is a DTensor on a mesh of those dimensions")
         raise ValueError(
-            f"{self._name(None)} received a DTensor {WHAT[kind]} from {self._name(src)} "
+            f"{name(None)} received a DTensor {WHAT[kind]} from {name(src)} "
             f"({description.shown()}) and cannot tell which of its meshes to rebuild it "
             f"on: {where}. Pass DistributedPipe(..., mesh=mesh), the DeviceMesh with "
             f"dimensions {names} (say the (\"pp\", \"tp\") mesh the pipeline groups come "

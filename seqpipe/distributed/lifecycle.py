@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from seqpipe.core.checkpoint import checkpoint_stop
 from seqpipe.core.loss_weights import CountFn, LossWeights, loss_weights
@@ -84,7 +85,8 @@ class CallLifecycle:
         self.broadcast_buffers = broadcast_buffers
         # verdicts before FSDP2's collectives (DistributedPipe(sharded_failure_checks=...))
         self.sharded_failure_checks = False
-        self.mesh: Any = None  # DistributedPipe(mesh=...): where received DTensors are rebuilt
+        # where a DTensor received from another stage is rebuilt (DistributedPipe(mesh=...))
+        self.mesh: Optional[DeviceMesh] = None
         self.rank = transport.index
         self.num_ranks = placement.num_ranks
         self.num_stages = placement.num_stages

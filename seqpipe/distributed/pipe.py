@@ -9,6 +9,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from seqpipe.core.arguments import check_checkpoint_every, check_chunks
 from seqpipe.core.batchnorm import convert_deferred_batch_norm
@@ -133,7 +134,8 @@ class DistributedPipe(nn.Module):
                  checkpoint_every: Optional[int] = None,
                  bucket_cap_mb: Optional[float] = None,
                  reduce_dtype: Optional[torch.dtype] = None,
-                 sharded_failure_checks: bool = False, mesh: Any = None) -> None:
+                 sharded_failure_checks: bool = False,
+                 mesh: Optional[DeviceMesh] = None) -> None:
         super().__init__()
         verify_module(module)
         if not dist.is_available() or not dist.is_initialized():

@@ -35,6 +35,7 @@ from typing import (
 )
 
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import GradSink
@@ -89,11 +90,12 @@ class Call(Tasks):
     replica: Optional[int] = None  # this pipeline's index in the data-parallel group
     reducer: Optional["GradientReducer"] = None  # told of a failure, for the replicas
     sharded: Optional["ShardedStep"] = None  # told too, for FSDP2's replicas and shards
-    mesh: Any = None  # DistributedPipe(mesh=...): where a received DTensor is rebuilt
+    mesh: Optional[DeviceMesh] = None  # DistributedPipe(mesh=...): where a received
+    # DTensor is rebuilt
     dtensors: Crossing = field(init=False)  # DTensors across stage boundaries
 
     def __post_init__(self) -> None:
-        self.dtensors = Crossing(self.stages, self.mesh, self.name)
+        self.dtensors = Crossing(self.stages, self.mesh)
 
     @property
     def rank(self) -> int:
@@ -141,7 +143,7 @@ class Call(Tasks):
                 while wanted not in self.inbox:
                     self._take(src, kind)
             message = self.inbox.pop(wanted)
-        return self.dtensors.incoming(message, src)
+        return self.dtensors.incoming(message, src, self.name)
 
     def _take(self, src: int, kind: Kind) -> None:
         """Receive the next message from rank ``src`` into the inbox (waiting for a
@@ -175,7 +177,7 @@ class Call(Tasks):
         """Queue a message to rank ``dst``; a failure to send is the peer's failure."""
         tensors, values = self.dtensors.outgoing(  # a DTensor as its shard; this stage's errors
             kind, microbatch, options.get("key", -1), options.get("origin", -1), tensors, flags,
-            options.get("values", ()))
+            options.get("values", ()), self.name)
         if values:
             options["values"] = values
         if dst == self.rank:  # to a stage of this rank: cut from the graph, as if sent
