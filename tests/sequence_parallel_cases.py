@@ -1,7 +1,7 @@
 """Sequence parallelism across a stage boundary (pp=2 × tp=2), run inside
 ``test_tensor_parallel``'s launch: stage 0 ends in ``RowwiseParallel(output_layouts=Shard(1),
 use_local_output=False)``, so a ``DTensor`` sharded on the sequence dimension crosses to
-stage 1, and its gradient comes back as one."""
+stage 1 (as the activation, and as a skip tensor), and its gradient comes back as one."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
 from distributed_harness import Failures
 from seqpipe.distributed import DistributedPipe, mesh_groups
 from seqpipe.distributed.transport import PeerError
+from seqpipe.skip import pop, skippable, stash
 
 __all__ = ["sequence_parallel_cases"]
 
@@ -46,11 +47,27 @@ class Gather(nn.Module):
         return _Gather.apply(x) if isinstance(x, DTensor) else x
 
 
+@skippable(stash=["x"])
+class _Stash(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("x", x)
+        return x
+
+
+@skippable(pop=["x"])
+class _Pop(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        skipped = yield pop("x")
+        return x * skipped
+
+
 def _model(gather: bool) -> nn.Sequential:
-    """Stage 0 (layers 0-3): an MLP whose Rowwise layer leaves the sequence sharded.
-    Stage 1: a LayerNorm (``SequenceParallel``, or plain behind ``Gather``), an MLP."""
+    """Stage 0 (layers 0-3, and with ``gather`` a stash of their output): an MLP whose
+    Rowwise layer leaves the sequence sharded. Stage 1: with ``gather``, the skip popped
+    and the sequence gathered (``Gather``); a LayerNorm (``SequenceParallel`` without
+    ``gather``), an MLP."""
     torch.manual_seed(1)
-    head = [Gather()] if gather else []
+    head = [_Stash(), _Pop(), Gather()] if gather else []
     return nn.Sequential(nn.Linear(6, 16), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16),
                          *head, nn.LayerNorm(16), nn.Linear(16, 32), nn.Tanh(),
                          nn.Linear(32, 16), nn.Linear(16, 3)).double()
@@ -60,7 +77,7 @@ def _split(pipe: DistributedPipe, tp: DeviceMesh, gather: bool, stage1: bool = T
     """Stage 0's MLP Colwise, then Rowwise into a sequence-sharded DTensor output; stage
     1's LayerNorm ``SequenceParallel`` (without ``gather``), its MLP Colwise from the
     sequence shards (or from the gathered whole) then Rowwise."""
-    n = 5 if gather else 4  # where stage 1's MLP starts
+    n = 7 if gather else 4  # stage 1's LayerNorm
     plan: Dict[str, Any] = {
         "1": ColwiseParallel(),
         "3": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
@@ -103,13 +120,15 @@ def _trained(pipe: DistributedPipe, gather: bool, failures: Failures, what: str)
 def sequence_parallel_cases(failures: Failures) -> None:
     """pp=2 × tp=2, the sequence sharded across the boundary: under ``1f1b`` into a
     ``SequenceParallel`` LayerNorm (the mesh found from stage 1's DTensor parameters);
-    under ``zb_h1``, checkpointed, into a layer whose gradient comes back replicated (the
-    mesh given as ``DistributedPipe(mesh=...)``). Then a receiver with neither refuses."""
+    under ``zb_h1``, checkpointed, with a skip tensor also sharded, into a layer whose
+    gradient comes back replicated (the mesh given as ``DistributedPipe(mesh=...)``). Then a
+    receiver with neither refuses."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp, _ = mesh_groups(mesh, data_dim="tp")
     for schedule, gather, given, checkpoint in (("1f1b", False, None, "except_last"),
                                                 ("zb_h1", True, mesh, "always")):
-        pipe = DistributedPipe(_model(gather), chunks=2, balance=[4, len(_model(gather)) - 4],
+        first, model = (5 if gather else 4), _model(gather)  # stage 0's layers, and all
+        pipe = DistributedPipe(model, chunks=2, balance=[first, len(model) - first],
                                schedule=schedule, checkpoint=checkpoint, group=pp, mesh=given)
         _split(pipe, mesh["tp"], gather)
         _trained(pipe, gather, failures, f"sequence parallel, {schedule}")
@@ -122,7 +141,7 @@ def _refused(failures: Failures) -> None:
     (fresh groups: a failed step leaves its pipeline's unusable)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp, _ = mesh_groups(mesh, data_dim="tp")
-    pipe = DistributedPipe(_model(True), chunks=2, balance=[4, 6], group=pp)
+    pipe = DistributedPipe(_model(True), chunks=2, balance=[5, 7], group=pp)
     _split(pipe, mesh["tp"], True, stage1=False)
     x, y = _batch(0)
     expected: Tuple[type, str] = ((PeerError, "stage 1 failed in the forward") if pipe.is_first
