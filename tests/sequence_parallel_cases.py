@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from test_fsdp import _step_both
 from torch import Tensor, nn
+from torch._C._distributed_c10d import _get_work_registry_size
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -99,8 +100,9 @@ def _batch(step: int) -> Tuple[Tensor, Tensor]:
 
 
 def _trained(pipe: DistributedPipe, gather: bool, failures: Failures, what: str) -> None:
-    """Two AdamW steps on the pipe and on the single-process model: gradients, then
-    parameters, equal."""
+    """Two AdamW steps on the pipe and on the single-process model: losses, gradients, then
+    parameters, equal; no collective left in flight (a split backward's recomputation of
+    the Rowwise layer's reduce-scatter used to be, one more each micro-batch)."""
     reference = _model(gather)
     optimizers = (torch.optim.AdamW(pipe.parameters(), lr=0.01),
                   torch.optim.AdamW(reference.parameters(), lr=0.01))
@@ -114,6 +116,9 @@ def _trained(pipe: DistributedPipe, gather: bool, failures: Failures, what: str)
         expected = nn.functional.mse_loss(reference(x), y)
         expected.backward()
         failures.close(loss, expected.detach(), f"{what}: step {step}: the loss")
+        in_flight = _get_work_registry_size()  # a recomputed output's collective, unwaited
+        failures.expect(in_flight == 0, f"{what}: step {step}: {in_flight} collectives left "
+                                        f"in flight")
         _step_both(failures, mine, theirs, optimizers, f"{what}: step {step}")
 
 
