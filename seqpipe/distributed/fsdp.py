@@ -28,11 +28,20 @@ parameters (their hooks would never see the unsharded leaves). FSDP2 over tensor
 protocol drives HSDP (``fully_shard`` on a 2-D (replicate, shard) mesh) and the FSDP2-style
 ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``), whose modules are
 ``FSDPModule``s too; a failure reaches the replicas and shards in FSDP2's collectives through
-``seqpipe.distributed.fsdp_verdict``. What is not supported yet is refused by
-``ShardedStep.check`` with the limitation named: the DDP-based
-``torch.distributed._composable.replicate``, weights tied across ranks, and ``count_fn``
-with a ``data_parallel_group`` as well. ``count_fn``'s count is summed over the groups FSDP2
-averages the last stage's gradients over (``ShardedStep.replicas``).
+``seqpipe.distributed.fsdp_verdict``.
+
+A weight tied across ranks whose copy FSDP2 manages (``claim``) is summed over its holders
+before FSDP2 reduces it: the stage's end-of-step reduction waits (``finish``) until the
+copies' sum (``seqpipe.distributed.tie_grads``) has added the other holders' unsharded
+gradients to this one's (``unsharded_grad``), so each shard receives the tie's summed,
+then averaged, gradient. That stage's reduce-scatter then runs after the call instead of
+during it.
+
+``count_fn``'s count is summed over the groups FSDP2 averages the last stage's gradients over
+(``ShardedStep.replicas``), or over ``data_parallel_group`` when it is given too, which must
+then span the same ranks as the stages' FSDP2 meshes (``ShardedStep.check``): each
+parameter's gradient is averaged over one of them, so they must be one set of replicas.
+``ShardedStep.check`` also refuses the DDP-based ``torch.distributed._composable.replicate``.
 """
 from __future__ import annotations
 
@@ -83,6 +92,26 @@ def check_parameters(stage: Stage) -> None:
                 f"torch.distributed._composable.replicate_with_fsdp.replicate (as "
                 f"torch.distributed.pipelining does), or DistributedPipe's "
                 f"data_parallel_group")
+
+
+def unsharded_grad(fsdp_param: object, create: bool = False) -> Optional[Tensor]:
+    """The gradient FSDP2 accumulated for ``fsdp_param`` in this step and has not reduced
+    yet: its unsharded parameter's ``.grad``, or the copy in the reduce dtype a
+    mixed-precision policy keeps (the last backward's part added to it, as FSDP2's
+    post-backward would); ``None`` if there is none, unless ``create``: then zeros are
+    set, for FSDP2 to reduce with the rest."""
+    leaf = getattr(fsdp_param, "_unsharded_param", None)
+    accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+    if accumulated is not None:
+        if leaf is not None and leaf.grad is not None:
+            accumulated += leaf.grad
+            leaf.grad = None
+        return accumulated
+    if leaf is None:
+        return None
+    if leaf.grad is None and create:
+        leaf.grad = torch.zeros_like(leaf)
+    return leaf.grad
 
 
 def _groups(states: List[object]) -> Iterator[object]:
@@ -165,6 +194,7 @@ class ShardedStep:
         self.all = stages
         self.stages: Dict[int, ShardedStage] = {}
         self.last: Dict[Optional[int], int] = {}  # stage -> index of its last B or W
+        self.deferred: Set[int] = set()  # stages reduced at ``finish``, not in the schedule
         for s, stage in stages.items():
             modules = [m for m in stage.partition.modules()
                        if _instance(m, "torch.distributed.fsdp", "FSDPModule")]
@@ -191,26 +221,33 @@ class ShardedStep:
                 for sharded in self.stages.values() for group in sharded._groups()
                 for fp in group.fsdp_params}  # type: ignore[attr-defined]
 
+    def _meshes(self, stage: int) -> List[Tuple[Tuple[dist.ProcessGroup, ...], List[int]]]:
+        """Per FSDP2 mesh ``stage`` is sharded over here (each once): its groups of more than
+        one rank (shard, replicate) and its ranks."""
+        meshes: Dict[Tuple[int, ...], Tuple[Tuple[dist.ProcessGroup, ...], List[int]]] = {}
+        for group in self.stages[stage]._groups():
+            info = group.mesh_info  # type: ignore[attr-defined]
+            groups = tuple(g for g in (getattr(info, "shard_process_group", None),
+                                       getattr(info, "replicate_process_group", None))
+                           if g is not None and g.size() > 1)
+            key = tuple(map(group_ranks, groups))
+            meshes.setdefault(key, (groups, sorted(info.mesh.mesh.flatten().tolist())))
+        return list(meshes.values())
+
     def replicas(self, stage: int, device: torch.device) -> Optional[Replicas]:
         """The data-parallel copies of ``stage`` FSDP2 averages its gradients over (its
         shard and, under HSDP or ``replicate``, replicate groups), for summing a step's
         ``count_fn`` count over them (``seqpipe.core.loss_weights``); ``None`` if ``stage``
         is not sharded here. FSDP2's default mean is assumed (no gradient divide factor
         set). A collective over those groups, behind a verdict when failures are checked."""
-        sharded = self.stages.get(stage)
-        if sharded is None:
+        if stage not in self.stages:
             return None
-        meshes = set()
-        for group in sharded._groups():
-            info = group.mesh_info  # type: ignore[attr-defined]
-            meshes.add(tuple(g for g in (getattr(info, "shard_process_group", None),
-                                         getattr(info, "replicate_process_group", None))
-                             if g is not None and g.size() > 1))
+        meshes = self._meshes(stage)
         if len(meshes) != 1:
-            raise ValueError(f"stage {stage} is sharded over different FSDP2 meshes (groups "
-                             f"{sorted(tuple(map(group_ranks, m)) for m in meshes)}), so "
-                             f"count_fn's count has no one sum; shard the stage on one mesh")
-        groups: Tuple[dist.ProcessGroup, ...] = meshes.pop()
+            raise ValueError(f"stage {stage} is sharded over different FSDP2 meshes (ranks "
+                             f"{sorted(ranks for _, ranks in meshes)}), so count_fn's count "
+                             f"has no one sum; shard the stage on one mesh")
+        groups = meshes[0][0]
         size = 1
         for group in groups:
             size *= group.size()
@@ -222,22 +259,45 @@ class ShardedStep:
                 dist.all_reduce(total, group=group)
         return Replicas(size, all_reduce, device)
 
-    def check(self, *, tied: bool, counted: bool) -> None:
-        """Refuse what is not supported with sharded stages yet, naming it; ``counted``:
-        ``count_fn`` given with a ``data_parallel_group`` as well."""
+    def check(self, data_parallel_group: Optional[dist.ProcessGroup]) -> None:
+        """Refuse, naming it, a stage wrapped with the DDP-based ``replicate``
+        (``check_parameters``), and a ``data_parallel_group`` that does not span the ranks
+        of a sharded stage's FSDP2 mesh: FSDP2 averages its parameters' gradients over the
+        mesh and seqpipe's reducer the others' over the group, so the two must be one set
+        of replicas (and ``count_fn``'s count is summed over them)."""
         for stage in self.all.values():
             check_parameters(stage)
-        if not self.stages:
+        if data_parallel_group is None:
             return
-        stages = sorted(self.stages)
-        for unsupported, what in ((tied, "weights tied across ranks"),
-                                  (counted, "count_fn and a data_parallel_group as well "
-                                            "(its count is summed over the FSDP2 mesh or "
-                                            "the data-parallel group, not both)")):
-            if unsupported:
-                raise NotImplementedError(
-                    f"stages {stages} are sharded with FSDP2 (fully_shard), which "
-                    f"DistributedPipe does not combine with {what} yet (issue 25)")
+        replicas = sorted(group_ranks(data_parallel_group))
+        for s in sorted(self.stages):
+            for _, ranks in self._meshes(s):
+                if ranks != replicas:
+                    raise ValueError(
+                        f"stage {s} is sharded with FSDP2 over ranks {ranks}, which average "
+                        f"its sharded parameters' gradients, but data_parallel_group (ranks "
+                        f"{replicas}) averages its other parameters' and sums count_fn's "
+                        f"count; give fully_shard a mesh of the data_parallel_group's ranks, "
+                        f"or leave data_parallel_group out (FSDP2 reduces the stage itself)")
+
+    def claim(self, param: Tensor) -> Optional[object]:
+        """The ``FSDPParam`` that manages ``param`` (a sharded parameter of a stage here),
+        or ``None``. Its stage's end-of-step reduction then waits for ``finish``, so that
+        a tie's copies can first be summed into its unsharded gradient."""
+        for s, sharded in self.stages.items():
+            for group in sharded._groups():
+                for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
+                    if fsdp_param.sharded_param is param:
+                        self.deferred.add(s)
+                        return fsdp_param
+        return None
+
+    def finish(self) -> None:
+        """The end-of-step reductions ``claim`` held back, in stage order (after the call
+        closed; before ``close``)."""
+        for s in sorted(self.deferred):
+            self.stages[s].reduce(self.verdicts)
+        self.deferred.clear()
 
     def begin(self, last: Mapping[Optional[int], int]) -> None:
         """Start of a step; ``last`` maps each stage to the index of its last backward
@@ -249,7 +309,7 @@ class ShardedStep:
     @contextmanager
     def around(self, n: int, action: Action) -> Iterator[None]:
         """Around ``action``, the ``n``-th of the step: unshard before a ``W``; reduce
-        after the stage's last backward of the step."""
+        after the stage's last backward of the step (unless ``claim`` deferred it)."""
         sharded: Optional[ShardedStage] = self.stages.get(action.stage)  # type: ignore[arg-type]
         if sharded is None:
             yield
@@ -260,7 +320,7 @@ class ShardedStep:
         if action.phase is Phase.BACKWARD_WEIGHT:
             sharded.unshard()
         yield
-        if self.last.get(action.stage) == n:
+        if self.last.get(action.stage) == n and action.stage not in self.deferred:
             sharded.reduce(self.verdicts)
 
     def close(self) -> None:

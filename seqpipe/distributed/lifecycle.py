@@ -9,7 +9,8 @@ all make the same kind of call), runs the rank's actions in schedule order, and 
 call on every rank together (the loss from the rank of the last stage, then DONE). A train
 step ends with the reductions: gradients averaged over the data-parallel replicas (and the
 stage's buffers broadcast), then what the step added to the gradients of weights tied
-across ranks summed (their earlier gradients set aside at the start: ``tie_grads``). Under
+across ranks summed (their earlier gradients set aside at the start: ``tie_grads``; copies
+FSDP2 manages are summed before their stage's FSDP2 reduction, which then runs here). Under
 ``schedule="auto"`` the first train step is timed, and the schedule picked from it runs from
 the next call on.
 """
@@ -248,12 +249,10 @@ class CallLifecycle:
             if self.reducer is not None:
                 self.reducer.follow(tensor_parallel.reducible(self.stages.values(), managed),
                                     counting=self.is_last and count_fn is not None)
-            if self.tied is not None:
-                self.tied.set_aside()  # sum only what this step adds, of what is trained now
+            if self.tied is not None:  # sum only what this step adds, of what is trained now
+                self.tied.set_aside(sharded)  # (FSDP2's copies: before FSDP2 reduces them)
             batches, actions = self.open(call, input, chunks)
-            sharded.check(tied=self.tied is not None,
-                          counted=count_fn is not None and self.reducer is not None)
-            tensor_parallel.check(self.stages, managed, tied=self.tied is not None)
+            sharded.check(self.reducer.group if self.reducer is not None else None)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
                 replicas = (sharded.replicas(self.num_stages - 1, self.device)
@@ -280,8 +279,9 @@ class CallLifecycle:
                 stage.finish_forward()
             loss = self.close(call, weights.report(torch.stack(call.losses).sum())
                               if self.is_last else None)
-            sharded.close()
             self._reduce(call.name())
+            sharded.finish()  # the reductions of FSDP2's tied copies, summed by _reduce
+            sharded.close()
         assert loss is not None
         return loss
 

@@ -221,8 +221,8 @@ class DistributedPipe(nn.Module):
                                             *self._reducer_options)
         self._tied: Optional[TiedCopies] = None
         if self.ties:
-            self._tied = TiedCopies(self.ties, dict(self.named_parameters(remove_duplicate=False)),
-                                    self.rank, group, data_parallel_group, self.device)
+            self._tied = TiedCopies(self.ties, self, self.rank, group, data_parallel_group,
+                                    self.device)
             self._tied.verify(tied_on_meta, at_construction=True)
         self._auto = (AutoRunner(self.schedule, self.num_ranks, self.num_stages, group,
                                  functools.partial(MeshReduce.of, group, partition,
@@ -276,7 +276,9 @@ class DistributedPipe(nn.Module):
     def check_ties(self) -> None:
         """Debug check, collective over the pipeline: raise ``RuntimeError`` (on every rank)
         if the copies of a parameter tied across stages differ (one small all-gather of
-        checksums; each rank copies its tied parameters to the CPU to checksum them)."""
+        checksums; each rank copies its tied parameters to the CPU to checksum them, whole:
+        a sharded or tensor-parallel copy is gathered over its mesh, whose ranks call this
+        too)."""
         if self._tied is not None:
             self._tied.verify()
 

@@ -18,9 +18,9 @@ What this module adds:
   parallelism) averages a tensor-parallel parameter's **local shard** (``local``): every
   replica of a stage holds the same shard, so averaging the shards averages the
   parameter. It leaves out only what FSDP2 reduces itself (``reducible``).
-* ``check`` refuses, naming the limitation, weights tied across ranks with a
-  tensor-parallel stage (their copies' sum is over the pipeline group only). What every
-  rank must agree on (``schedule="auto"``'s costs, a ``PipeGradScaler``'s ``found_inf``)
+* Weights tied across ranks may be split: their copies are summed by local shards, or
+  whole where the copies are split differently (``seqpipe.distributed.tie_layout``). What
+  every rank must agree on (``schedule="auto"``'s costs, a ``PipeGradScaler``'s ``found_inf``)
   and the gradient norm are reduced over the tensor-parallel dimension too: it is one of
   the mesh dimensions of the stages' ``DTensor`` parameters (``MeshReduce``).
 * A ``DTensor`` activation or gradient (a stage ending in a layer with
@@ -29,7 +29,7 @@ What this module adds:
 """
 from __future__ import annotations
 
-from typing import Collection, Dict, Iterable, List, Mapping
+from typing import Collection, Dict, Iterable, List
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.fsdp import _is_dtensor
 
-__all__ = ["as_grad", "check", "local", "reducible"]
+__all__ = ["as_grad", "local", "reducible"]
 
 
 def local(tensor: Tensor) -> Tensor:
@@ -69,27 +69,3 @@ def reducible(stages: Iterable[Stage], managed: Collection[int]) -> List[nn.Para
             if id(param) not in managed:
                 seen.setdefault(id(param), param)
     return list(seen.values())
-
-
-def _tensor_parallel(stage: Stage, managed: Mapping[int, int]) -> List[str]:
-    """The names of ``stage``'s parameters split with tensor parallelism: ``DTensor``s on
-    a mesh of more dimensions than FSDP2 shards them on (``managed``; none if it does
-    not manage them)."""
-    return [name for name, param in stage.partition.named_parameters()
-            if _is_dtensor(param) and param.device_mesh.ndim > managed.get(id(param), 0)]
-
-
-def check(stages: Mapping[int, Stage], managed: Mapping[int, int], *, tied: bool) -> None:
-    """Refuse, naming it, what ``DistributedPipe`` does not combine with tensor-parallel
-    stages (``_tensor_parallel``, FSDP2 over them included) yet: weights tied across ranks.
-    ``managed``: ``ShardedStep.managed()``."""
-    split = {s: names for s, stage in stages.items()
-             if (names := _tensor_parallel(stage, managed))}
-    if not split or not tied:
-        return
-    s, names = next(iter(split.items()))
-    raise NotImplementedError(
-        f"stage {s} is split with tensor parallelism (parameter {names[0]!r} is a DTensor: "
-        f"parallelize_module), which DistributedPipe does not combine with weights tied "
-        f"across ranks yet (issue 25; the copies' gradients are summed over the pipeline "
-        f"group only): untie them, or do not split the stage")

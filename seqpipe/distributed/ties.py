@@ -13,7 +13,11 @@ is the sum of both uses. Across processes each stage that uses it holds a copy, 
 * **training**: after the step's backward, each tie's gradient (what this step added) is
   summed over the ranks that hold a copy (one all-reduce per tie, see
   ``seqpipe.distributed.tie_grads``), so every copy's ``.grad`` is the unpipelined
-  model's and identical optimizer steps keep the copies identical;
+  model's and identical optimizer steps keep the copies identical. A copy may be sharded
+  with FSDP2 or split with tensor parallelism after construction: it is read from its layer
+  when needed (``TiedCopies.copies``), FSDP2's copies are summed in their unsharded
+  gradients before FSDP2 reduces them, and ``DTensor`` copies by local shards or whole
+  (``seqpipe.distributed.tie_layout``);
 * **checking**: the copies must be equal at construction (one small all-gather of
   checksums, else ``ValueError`` on every rank naming the tensor), and ``check`` compares
   them again on demand. Copies built on ``meta`` are freshly initialised per rank, so
@@ -44,6 +48,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpipe.distributed.mesh import _new_group
+from seqpipe.distributed.tensor_parallel import local
+from seqpipe.distributed.tie_layout import full, sum_dtype, write_full
 
 __all__ = ["Tie", "SharedBufferError", "find_ties", "drop_layer", "ties_kept", "TiedCopies",
            "canonical_names"]
@@ -191,7 +197,8 @@ def canonical_names(module: nn.Module, ties: Sequence[Tie] = ()) -> Dict[str, st
 
 
 def _checksum(tensor: Tensor) -> int:
-    data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    """A checksum of ``tensor``'s whole value (gathered over its mesh if a ``DTensor``)."""
+    data = full(tensor, tensor.dtype).view(-1).view(torch.uint8).cpu().numpy()
     return zlib.crc32(data.tobytes()) & 0x7FFFFFFF
 
 
@@ -199,12 +206,15 @@ class TiedCopies:
     """This rank's copies of the pipeline's ties, and the groups their sums run on; checks
     their values (``tie_grads.TieGrads`` sums their gradients).
 
-    ``params`` maps this stage's parameter names to its parameters. Collective at
-    construction (it may create process groups) and in every method: every rank of the
-    pipeline calls them together.
+    ``module`` holds this rank's layers under their names in the unpipelined model (the
+    pipe). A copy is read from its layer when asked for (``copies``), so a copy that
+    FSDP2's ``fully_shard`` or ``parallelize_module`` replaced with a ``DTensor`` parameter
+    after construction is the one seen. Collective at construction (it may create process
+    groups) and in every method: every rank of the pipeline calls them together (and, for
+    ``DTensor`` copies, the ranks of their meshes, which run the same step).
     """
 
-    def __init__(self, ties: Sequence[Tie], params: Dict[str, nn.Parameter], stage: int,
+    def __init__(self, ties: Sequence[Tie], module: nn.Module, stage: int,
                  group: Optional[dist.ProcessGroup],
                  data_parallel_group: Optional[dist.ProcessGroup],
                  device: torch.device) -> None:
@@ -212,28 +222,58 @@ class TiedCopies:
         self.stage = stage
         self.group = group
         self.device = device
-        self.copies: List[Optional[nn.Parameter]] = [
-            next((params[n] for n in tie.names if n in params), None) for tie in self.ties]
+        params = dict(module.named_parameters(remove_duplicate=False))
+        self.slots: List[Optional[Tuple[nn.Module, str]]] = []
+        for tie in self.ties:
+            name = next((n for n in tie.names if n in params), None)
+            owner, _, attribute = (name or "").rpartition(".")
+            self.slots.append(None if name is None
+                              else (module.get_submodule(owner), attribute))
         groups = _tie_groups([t.stages for t in self.ties], group, data_parallel_group, device)
         # Per tie, the group its sums run on where this rank takes part, else None: the
         # holders' own group, or (where none could be made) the whole pipeline group.
+        self.pipeline_sums = groups is None
         self.sum_groups: List[Optional[dist.ProcessGroup]] = [
             group if groups is None else groups.get(t.stages) for t in self.ties]
 
-    def start_sum(self, t: int, tensor: Optional[Tensor]) -> Callable[[], None]:
-        """Start summing ``tensor`` (zeros on a rank without a copy) in place over tie
-        ``t``'s group (``sum_groups[t]``, which must not be ``None``); the returned
-        function waits for it."""
-        if tensor is None:
+    @property
+    def copies(self) -> List[Optional[nn.Parameter]]:
+        """Per tie, this rank's copy as its layer holds it now (``None``: no copy here)."""
+        return [None if slot is None else slot[0]._parameters[slot[1]]  # type: ignore[misc]
+                for slot in self.slots]
+
+    def whole(self, t: int, layouts: Sequence[int]) -> bool:
+        """Whether tie ``t``'s sum goes by whole tensors (``seqpipe.distributed.tie_layout``):
+        unless every rank of its sum group holds a copy and all are laid out alike.
+        ``layouts``: per rank of the pipeline, its copy's ``tie_layout.layout`` code, -1
+        without a copy."""
+        members = range(len(layouts)) if self.pipeline_sums else self.ties[t].stages
+        return len({layouts[r] for r in members}) > 1
+
+    def start_sum(self, t: int, tensor: Optional[Tensor],
+                  whole: bool = False) -> Callable[[], None]:
+        """Start summing ``tensor`` (a copy's gradient or value; ``None`` on a rank without a
+        copy, which adds zeros) in place over tie ``t``'s group (``sum_groups[t]``, which
+        must not be ``None``): its local shard, or with ``whole`` the whole tensor (see
+        ``tie_layout``); the returned function waits for it."""
+        if whole or tensor is None:
             tie = self.ties[t]
-            tensor = torch.zeros(tie.shape, dtype=tie.dtype, device=self.device)
-        flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+            dtype = sum_dtype(tie.dtype)
+            flat = (torch.zeros(tie.shape, dtype=dtype, device=self.device) if tensor is None
+                    else full(tensor, dtype))
+        else:
+            mine = local(tensor)
+            flat = mine if mine.is_contiguous() else mine.contiguous()
         work = dist.all_reduce(flat, group=self.sum_groups[t], async_op=True)
 
         def wait() -> None:
             work.wait()
-            if flat is not tensor:
-                tensor.copy_(flat)
+            if tensor is None:
+                return
+            if whole:
+                write_full(tensor, flat)
+            elif flat is not mine:
+                mine.copy_(flat)
         return wait
 
     # -- checking ------------------------------------------------------------------------
@@ -241,9 +281,9 @@ class TiedCopies:
         """Per stage, per tie: its copy's checksum; -1 without a copy, -2 if built on meta."""
         mine = [(-2 if m else _checksum(c)) if c is not None else -1
                 for c, m in zip(self.copies, meta)]
-        local = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        everyone = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(everyone, local, group=self.group)
+        row = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        everyone = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(everyone, row, group=self.group)
         return [t.tolist() for t in everyone]
 
     def verify(self, meta: Optional[Sequence[bool]] = None, *,
@@ -282,7 +322,7 @@ class TiedCopies:
             return
         if copy is not None and self.stage != self.ties[t].stages[0]:
             copy.zero_()
-        self.start_sum(t, copy.detach() if copy is not None else None)()
+        self.start_sum(t, copy.detach() if copy is not None else None, whole=True)()
 
 
 def _pipelines(group: Optional[dist.ProcessGroup],
