@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import time
 from datetime import timedelta
@@ -123,21 +124,27 @@ def test_killed_rank_raises_on_the_others() -> None:
     run_workers(_killed, 3, timeout=90)
 
 
-def _stalled(rank: int, world: int) -> None:
+def _stalled(rank: int, world: int, folder: str) -> None:
     pipe = _pipe(nn.Linear(4, 4), "fill_drain")
+    gave_up = [os.path.join(folder, f"{peer}.gave-up") for peer in (0, 2)]
     if rank == 1:
-        time.sleep(12)  # alive but silent, longer than the group's timeout
+        # alive but silent until both peers have given up on it (at the group's timeout:
+        # they say so in a file, outside the group), and longer than they may take
+        deadline = time.monotonic() + 12
+        while not all(map(os.path.exists, gave_up)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(0)  # its peers gave up on it: no collective teardown to join
     started = time.monotonic()
     with pytest.raises(PeerError) as info:
         _step(pipe, rank, world)
     assert time.monotonic() - started < 11
     assert f"stage {rank}" in str(info.value) and "stage 1" in str(info.value)
+    open(gave_up[rank // 2], "w").close()
     os._exit(0)  # the group lost a member; skip the collective teardown
 
 
-def test_stalled_rank_raises_within_the_group_timeout() -> None:
-    run_workers(_stalled, 3, timeout=90, pg_timeout=4)
+def test_stalled_rank_raises_within_the_group_timeout(tmp_path: pathlib.Path) -> None:
+    run_workers(_stalled, 3, str(tmp_path), timeout=90, pg_timeout=4)
 
 
 class Slow(nn.Module):

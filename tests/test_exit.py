@@ -9,7 +9,10 @@ its deterministic witness is the group itself: ``run_workers`` fails a worker wh
 group is still alive after ``destroy_process_group()``.
 
 This module must not import seqpipe at its top: the workers unpickle their function from
-it, and an import here would put seqpipe before ``init_process_group`` again.
+it, and an import here would put seqpipe before ``init_process_group`` again. For the same
+reason its workers are fresh interpreters (``fresh_interpreter=True``), which also end
+through the interpreter's teardown: ``run_workers``'s default workers fork from a server
+that imported seqpipe (and ``torch._dynamo``) before any group existed.
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def _seqpipe_imported_late(rank: int, world_size: int) -> None:
 
 
 def test_seqpipe_imported_after_init_process_group_frees_the_default_group() -> None:
-    run_workers(_seqpipe_imported_late, 2, timeout=120)
+    run_workers(_seqpipe_imported_late, 2, timeout=120, fresh_interpreter=True)
 
 
 def _dynamo_imported_late_then_seqpipe(rank: int, world_size: int) -> None:
@@ -73,4 +76,4 @@ def _dynamo_imported_late_then_seqpipe(rank: int, world_size: int) -> None:
 
 
 def test_seqpipe_imported_after_torch_dynamo_frees_the_default_group() -> None:
-    run_workers(_dynamo_imported_late_then_seqpipe, 2, timeout=120)
+    run_workers(_dynamo_imported_late_then_seqpipe, 2, timeout=120, fresh_interpreter=True)

@@ -17,8 +17,8 @@ the next call on.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
 from seqpipe.distributed.fsdp import ShardedStep
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
-from seqpipe.distributed.step import Call, LossFn, describe
+from seqpipe.distributed.step import Call, LossFn
 from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
@@ -52,11 +52,24 @@ _LAST = (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)  # a stage's gradients are final
 
 @dataclass(frozen=True)
 class CallPlan:
-    """A rank's part of a call: its actions and the messages it receives and sends."""
+    """A rank's part of a call: its actions and the messages it receives and sends, and
+    what a train step derives from its actions (made once per shape of call, not per
+    step): where each stage's gradients are final (the index of its last ``B`` or ``W``)
+    and which (stage, micro-batch) backwards are split into ``I`` and ``W``."""
 
     actions: List[Action]
     incoming: Dict[int, List[Planned]]
     outgoing: Dict[int, List[Planned]]
+    last: Dict[Optional[int], int] = field(default_factory=dict)
+    split: FrozenSet[Tuple[Optional[int], int]] = frozenset()
+
+    @classmethod
+    def of(cls, actions: List[Action], incoming: Dict[int, List[Planned]],
+           outgoing: Dict[int, List[Planned]]) -> "CallPlan":
+        return cls(actions, incoming, outgoing,
+                   {a.stage: n for n, a in enumerate(actions) if a.phase in _LAST},
+                   frozenset((a.stage, a.microbatch) for a in actions
+                             if a.phase is Phase.BACKWARD_INPUT))
 
 
 class CallLifecycle:
@@ -112,7 +125,7 @@ class CallLifecycle:
                 self.validated.add(m)
             k, me, where = self.num_ranks, self.rank, self.placement
             actions = call_actions(schedule, k, m, grad)
-            self.plans[(m, grad)] = CallPlan(
+            self.plans[(m, grad)] = CallPlan.of(
                 actions[me],
                 {r: messages(r, me, actions, self.layout, grad, where) for r in range(k)
                  if r != me},
@@ -121,7 +134,7 @@ class CallLifecycle:
         return self.plans[(m, grad)]
 
     def open(self, call: Call, input: Optional[TensorOrTensors],
-             chunks: int) -> Tuple[List[Batch], List[Action]]:
+             chunks: int) -> Tuple[List[Batch], CallPlan]:
         """Start a call: the rank of stage 0 cuts the batch and tells every rank how many
         micro-batches there are; then every rank knows its actions and the messages it
         will exchange."""
@@ -150,11 +163,11 @@ class CallLifecycle:
         for r, planned in plan.outgoing.items():
             transport.will_send(r, planned[1:] if self.is_first else planned)  # STEP: above
         if self.is_first:
+            told = torch.tensor(kind, device=self.device)
             for r in others:
-                call.send(r, Kind.STEP, -1, [torch.tensor(kind, device=self.device)],
-                          count=len(batches))
+                call.send(r, Kind.STEP, -1, [told], count=len(batches))
         check_same_call(theirs, kind)
-        return batches, plan.actions
+        return batches, plan
 
     def close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
         """End the call on every rank together, so no rank returns while another fails.
@@ -251,7 +264,7 @@ class CallLifecycle:
                                     counting=self.is_last and count_fn is not None)
             if self.tied is not None:  # sum only what this step adds, of what is trained now
                 self.tied.set_aside(sharded)  # (FSDP2's copies: before FSDP2 reduces them)
-            batches, actions = self.open(call, input, chunks)
+            batches, plan = self.open(call, input, chunks)
             sharded.check(self.reducer.group if self.reducer is not None else None)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
@@ -259,21 +272,24 @@ class CallLifecycle:
                             if self.reducer is None else self.reducer.replicas(self.device))
                 weights = loss_weights(target, len(batches), count_fn, replicas)
                 targets = weights.targets
-        # each stage's last B or W: its gradients are final there
-        last = {a.stage: n for n, a in enumerate(actions) if a.phase in _LAST}
+        actions, last = plan.actions, plan.last  # each stage's last B or W: grads final
         sharded.begin(last)
         for s, n in last.items():
             if s not in sharded:  # FSDP2 accumulates a sharded stage's gradients itself
                 call.grads[s] = StepGrads(self.stages[s], actions[n].microbatch)
         final = max(last.values())
-        call.split = {(a.stage, a.microbatch) for a in actions
-                      if a.phase is Phase.BACKWARD_INPUT}
-        for n, action in enumerate(actions):
-            with call.guard(describe(action), action.stage):
-                if n == final and self.reducer is not None:
-                    self.reducer.arm()  # gradients final from here: reduce as they land
+        call.split = plan.split  # type: ignore[assignment]
+        reducer, shares = self.reducer, weights.weights
+
+        def run(n: int, action: Action) -> None:
+            if n == final and reducer is not None:
+                reducer.arm()  # gradients final from here: reduce as they land
+            if action.stage in sharded.stages:
                 with sharded.around(n, action):
-                    call.run(action, batches, targets, loss_fn, weights.weights)
+                    call.run(action, batches, targets, loss_fn, shares)
+            else:
+                call.run(action, batches, targets, loss_fn, shares)
+        call.run_actions(actions, run)
         with call.guard("end of the step"):
             for stage in self.stages.values():
                 stage.finish_forward()
@@ -301,10 +317,8 @@ class CallLifecycle:
     def _forward(self, call: Call, input: Optional[TensorOrTensors],
                  chunks: int) -> Optional[TensorOrTensors]:
         with call.guard("start of the call"):
-            batches, actions = self.open(call, input, chunks)
-        for action in actions:
-            with call.guard(describe(action), action.stage):
-                call.run(action, batches, None, None, [])
+            batches, plan = self.open(call, input, chunks)
+        call.run_actions(plan.actions, lambda _, action: call.run(action, batches, None, None, []))
         with call.guard("end of the call"):
             for stage in self.stages.values():
                 stage.finish_forward()

@@ -28,7 +28,7 @@ along them rather than sent to every stage (see ``Transport.abort``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from seqpipe.distributed.wire import Kind
@@ -63,10 +63,13 @@ class Planned:
     sent_at: int
     taken_at: int
     origin: int = -1
+    # (kind, micro-batch, key, origin): how both ends name the message; made once, as
+    # the transport looks it up for every message of every call
+    identity: Tuple[Kind, int, int, int] = field(init=False, repr=False, compare=False)
 
-    @property
-    def identity(self) -> Tuple[Kind, int, int, int]:
-        return (self.kind, self.microbatch, self.key, self.origin)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "identity",
+                           (self.kind, self.microbatch, self.key, self.origin))
 
 
 OPENING = Planned(Kind.STEP, -1, -1, -1, -1)  # rank of stage 0 -> every other rank, first

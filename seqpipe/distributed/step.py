@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import (
     TYPE_CHECKING,
     Any,
+    Callable,
     ContextManager,
     Dict,
     Iterator,
@@ -85,7 +86,7 @@ class Call(Tasks):
     states: Dict[Tuple[int, int], TaskState] = field(default_factory=dict)
     outputs: List[Batch] = field(default_factory=list)
     losses: List[Tensor] = field(default_factory=list)
-    action: str = "the start of the step"
+    at: Any = "the start of the step"  # what runs now: a description, or an Action
     timer: Optional[ActionTimer] = None  # times each stage computation (schedule="auto")
     replica: Optional[int] = None  # this pipeline's index in the data-parallel group
     reducer: Optional["GradientReducer"] = None  # told of a failure, for the replicas
@@ -100,6 +101,13 @@ class Call(Tasks):
     @property
     def rank(self) -> int:
         return self.transport.index
+
+    @property
+    def action(self) -> str:
+        """What this rank is at, as errors name it (an action is described only when an
+        error asks, not each time one starts)."""
+        at = self.at
+        return f"{describe(at)} on stage {at.stage}" if isinstance(at, Action) else at
 
     @property
     def num_stages(self) -> int:
@@ -260,21 +268,39 @@ class Call(Tasks):
     def guard(self, action: str, stage: Optional[int] = None) -> Iterator[None]:
         """Run a piece of the call (an action of ``stage``); on failure tell every other
         rank before raising."""
-        self.action = action if stage is None else f"{action} on stage {stage}"
+        self.at = action if stage is None else f"{action} on stage {stage}"
         try:
             yield
-        except PeerError as exc:
-            self.abort(str(exc), exc.peer)
-            raise
         except Exception as exc:
-            who = self.name() if stage is None else f"stage {stage}"
-            if stage is not None and self.placement.num_stages != self.placement.num_ranks:
-                who += f" (rank {self.rank})"
-            who += "" if stage is None else self._of_replica
-            text = f"{who} failed in the {action}"
-            self.abort(f"{text}: {type(exc).__name__}: {exc}")
-            exc.add_note(f"seqpipe: {text}")
+            self._failed(exc, action, stage)
             raise
+
+    def run_actions(self, actions: Sequence[Action],
+                    run: Callable[[int, Action], None]) -> None:
+        """``run(n, action)`` for the ``n``-th of this rank's ``actions``, in order, each
+        guarded as ``guard`` guards a piece of the call, without a context (or its
+        description) made per action: a step runs many."""
+        for n, action in enumerate(actions):
+            self.at = action
+            try:
+                run(n, action)
+            except Exception as exc:
+                self._failed(exc, describe(action), action.stage)
+                raise
+
+    def _failed(self, exc: Exception, action: str, stage: Optional[int]) -> None:
+        """``exc`` ended ``action`` (of ``stage``): tell every other rank, and name where
+        it happened in the error (which the caller raises)."""
+        if isinstance(exc, PeerError):
+            self.abort(str(exc), exc.peer)
+            return
+        who = self.name() if stage is None else f"stage {stage}"
+        if stage is not None and self.placement.num_stages != self.placement.num_ranks:
+            who += f" (rank {self.rank})"
+        who += "" if stage is None else self._of_replica
+        text = f"{who} failed in the {action}"
+        self.abort(f"{text}: {type(exc).__name__}: {exc}")
+        exc.add_note(f"seqpipe: {text}")
 
     def abort(self, text: str, heard_from: Optional[int] = None) -> None:
         """Pass the news on to the stages still expecting a message from this one, and

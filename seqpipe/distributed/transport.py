@@ -68,8 +68,8 @@ from seqpipe.distributed.wire import (
     Spec,
     decode,
     decode_text,
-    encode,
     encode_text,
+    header_words,
     nbytes,
     pack,
     read_header,
@@ -140,6 +140,7 @@ class Transport:
         self._seen_in = SeenShapes()  # of the messages received, per peer
         self._seen_out = SeenShapes()  # of the messages sent, per peer
         self._pending: Dict[int, List[_Sent]] = defaultdict(list)
+        self._globals: Dict[int, int] = {}  # stage -> global rank
         self.sent_bytes = 0  # every buffer sent, headers and placeholders included
         self._pin = device.type == "cuda"  # headers in pinned host memory, copied async
         self._side = torch.cuda.Stream(device) if self._pin else None
@@ -196,7 +197,11 @@ class Transport:
 
     # -- the wire ----------------------------------------------------------------------
     def _global(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, stage) if self.group is not None else stage
+        """The global rank of ``stage`` (looked up once per peer: every message asks)."""
+        if stage not in self._globals:
+            self._globals[stage] = dist.get_global_rank(self.group, stage) \
+                if self.group is not None else stage
+        return self._globals[stage]
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
         work = _started(dist.isend(buffer, dst=self._global(stage), group=self._group_to(stage)))
@@ -222,10 +227,6 @@ class Transport:
                              device=self.device)
         self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
 
-    def _expected_by(self, dst: int, planned: Optional["Planned"]) -> Spec:
-        """The payload ``dst`` has posted (or will post) a receive for, for this message."""
-        return self._seen_out.posted(dst, planned)
-
     # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, *, key: int = -1, count: int = 0,
@@ -234,19 +235,19 @@ class Transport:
         sends it; ``values``: an activation's non-tensor items); returns at once."""
         flags = flags if flags is not None else [False] * len(tensors)
         planned = self._next_out(stage, (kind, microbatch, key, origin))  # taken off once sent
-        expected = self._expected_by(stage, planned)
+        expected = self._seen_out.posted(stage, planned)  # what ``stage`` posted for it
         payload = [t for t in tensors if t is not None]
         actual = spec_of(payload)
         reshaped = actual != expected
         taken_at = planned.taken_at if planned else sys.maxsize
-        header = encode(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
-                        pin=self._pin, origin=origin, values=values)
+        header = header_words(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
+                              origin=origin, values=values)
         if not reshaped:
-            self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device),
-                        stage, taken_at)
+            self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device,
+                             pin=self._pin), stage, taken_at)
         else:  # fill the receive the peer posted; the real payload follows on its own
-            self._isend(pack(header, [], HEADER_BYTES + nbytes(expected), self.device),
-                        stage, taken_at)
+            self._isend(pack(header, [], HEADER_BYTES + nbytes(expected), self.device,
+                             pin=self._pin), stage, taken_at)
             if payload:
                 self._isend(pack(None, payload, nbytes(actual), self.device), stage, taken_at)
         if planned is not None:
@@ -377,7 +378,7 @@ class Transport:
         self.failure = text
         header = encode_text(Kind.ABORT, text, pin=self._pin)
         for stage in self.relay_to(heard_from):
-            size = HEADER_BYTES + nbytes(self._expected_by(stage, self._outgoing[stage][0]))
+            size = HEADER_BYTES + nbytes(self._seen_out.posted(stage, self._outgoing[stage][0]))
             try:
                 self._isend(pack(header, [], size, self.device), stage, sys.maxsize)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can

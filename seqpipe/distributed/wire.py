@@ -18,15 +18,17 @@ import enum
 import math
 import struct
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from seqpipe.distributed.values import Values, bytes_to_words, from_words, to_words, words_to_bytes
 
 __all__ = ["HEADER_SLOTS", "HEADER_BYTES", "Kind", "Message", "Spec", "spec_of", "nbytes",
-           "pack", "unpack", "encode", "encode_text", "decode", "decode_text", "read_header"]
+           "pack", "unpack", "encode", "header_words", "as_header", "encode_text", "decode",
+           "decode_text", "read_header"]
 
 HEADER_SLOTS = 256
 HEADER_BYTES = HEADER_SLOTS * 8
@@ -36,6 +38,12 @@ _FIXED = 9  # magic, kind, micro-batch, key, count, atomic, reshaped, origin, nu
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128]
+_DTYPE_INDEX = {dtype: n for n, dtype in enumerate(_DTYPES)}
+# Host tensors of these dtypes are copied into a message through NumPy's view of both
+# (one call, where torch's slicing, viewing and copying cost several): the rest (bfloat16,
+# complex, device tensors) through torch.
+_NUMPY_COPIES = frozenset((torch.float32, torch.float64, torch.float16, torch.int64,
+                           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
 
 Spec = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]  # a payload: each tensor's dtype, shape
 
@@ -80,29 +88,54 @@ def nbytes(spec: Spec) -> int:
     return sum(-(-n // _ALIGN) * _ALIGN for n in _sizes(spec))
 
 
-def pack(header: Optional[Tensor], tensors: Sequence[Tensor], size: int,
-          device: torch.device) -> Tensor:
-    """One byte buffer of ``size``: the header (if any), then each tensor, aligned."""
+def pack(header: Union[Tensor, List[int], None], tensors: Sequence[Tensor], size: int,
+         device: torch.device, *, pin: bool = False) -> Tensor:
+    """One byte buffer of ``size``: the header (if any), then each tensor, aligned.
+
+    ``header``: a header tensor (``encode``; from pinned memory on a GPU, its copy is
+    queued and the host does not wait), or its words (``header_words``), which a host
+    buffer takes in place, without a header tensor or a copy (a device buffer gets them
+    as a header tensor, in pinned memory with ``pin``).
+    """
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    host = buffer.numpy() if device.type == "cpu" else None
     offset = 0
-    if header is not None:  # from pinned memory on a GPU: queued, the host does not wait
-        buffer[:HEADER_BYTES].copy_(header.view(torch.uint8), non_blocking=True)
+    if header is not None:
+        if isinstance(header, list) and host is not None:
+            host[:HEADER_BYTES] = 0
+            struct.pack_into(f"={len(header)}q", host, 0, *header)
+        else:
+            if isinstance(header, list):
+                header = as_header(header, pin)
+            buffer[:HEADER_BYTES].copy_(header.view(torch.uint8), non_blocking=True)
         offset = HEADER_BYTES
     if not tensors:
         buffer[offset:].zero_()  # a placeholder: send zeros, not stale memory
+        return buffer
     for tensor in tensors:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset:offset + data.numel()].copy_(data)
-        offset += -(-data.numel() // _ALIGN) * _ALIGN
+        n = tensor.numel() * tensor.element_size()
+        if host is not None and tensor.dtype in _NUMPY_COPIES and tensor.device == device \
+                and not tensor.is_neg():  # (a negated view: NumPy cannot read it)
+            host[offset:offset + n] = np.ascontiguousarray(tensor.detach().numpy()).view(
+                np.uint8).reshape(-1)
+        else:
+            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            buffer[offset:offset + n].copy_(data)
+        offset += -(-n // _ALIGN) * _ALIGN
     return buffer
 
 
 def unpack(buffer: Tensor, offset: int, spec: Spec) -> List[Tensor]:
-    """The tensors of ``spec`` laid out in ``buffer`` from ``offset`` (views, no copy)."""
+    """The tensors of ``spec`` laid out in ``buffer`` from ``offset``: each shares the
+    buffer's storage (no copy), set on it at its offset (one call, not a slice and two
+    views; offsets are aligned for every dtype)."""
     tensors = []
-    for (dtype, shape), n in zip(spec, _sizes(spec)):
-        tensors.append(buffer[offset:offset + n].view(dtype).view(shape))
-        offset += -(-n // _ALIGN) * _ALIGN
+    storage = buffer.untyped_storage()
+    base = buffer.storage_offset() + offset
+    for dtype, shape in spec:
+        tensors.append(torch.empty(0, dtype=dtype, device=buffer.device).set_(
+            storage, base // dtype.itemsize, shape))
+        base += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
     return tensors
 
 
@@ -110,26 +143,37 @@ def encode(kind: Kind, microbatch: int, key: int, count: int, atomic: bool, resh
            tensors: Sequence[Optional[Tensor]], flags: Sequence[bool], *,
            pin: bool = False, origin: int = -1, values: Values = ()) -> Tensor:
     """The header of a message, on the host (in pinned memory with ``pin``)."""
+    return as_header(header_words(kind, microbatch, key, count, atomic, reshaped, tensors,
+                                  flags, origin=origin, values=values), pin)
+
+
+def header_words(kind: Kind, microbatch: int, key: int, count: int, atomic: bool,
+                 reshaped: bool, tensors: Sequence[Optional[Tensor]], flags: Sequence[bool],
+                 *, origin: int = -1, values: Values = ()) -> List[int]:
+    """The words of a message's header (``encode`` makes them a header tensor; ``pack``
+    writes them straight into a host buffer); ``TypeError`` or ``ValueError`` for what
+    the wire cannot carry."""
     words = [_MAGIC, int(kind), microbatch, key, count, int(atomic), int(reshaped), origin,
              len(tensors)]
     for tensor, flag in zip(tensors, flags):
         if tensor is None:
             words += [0]
             continue
-        if tensor.dtype not in _DTYPES:
+        index = _DTYPE_INDEX.get(tensor.dtype)
+        if index is None:
             raise TypeError(f"cannot send a {tensor.dtype} tensor between stages; supported: "
                             f"{', '.join(str(d) for d in _DTYPES)}")
-        words += [1, _DTYPES.index(tensor.dtype), int(flag), tensor.dim(), *tensor.shape]
+        words += [1, index, int(flag), tensor.dim(), *tensor.shape]
     words += to_words(values)
     if len(words) > HEADER_SLOTS:
         raise ValueError(f"a message of {len(tensors)} tensors with these shapes and "
                          f"{len(values)} non-tensor values needs {len(words)} header slots, "
                          f"more than {HEADER_SLOTS}; send fewer or lower-rank tensors, or "
                          f"shorter strings, between stages")
-    return _header(words, pin)
+    return words
 
 
-def _header(words: List[int], pin: bool) -> Tensor:
+def as_header(words: List[int], pin: bool) -> Tensor:
     """``words`` as the ``HEADER_SLOTS`` int64 words of a header, zero-padded.
 
     Packed by ``struct`` into a zeroed byte array that the tensor then shares: a fraction of
@@ -154,7 +198,7 @@ def encode_text(kind: Kind, text: str, *, pin: bool = False) -> Tensor:
     """A header that carries a short UTF-8 text in its spare slots (one message, no tensors)."""
     room = (HEADER_SLOTS - _FIXED - 1) * 8
     words = [_MAGIC, int(kind), -1, -1, 0, 1, 0, -1, 0]
-    return _header(words + bytes_to_words(text.encode("utf-8")[:room]), pin)
+    return as_header(words + bytes_to_words(text.encode("utf-8")[:room]), pin)
 
 
 def decode_text(header: List[int]) -> str:
