@@ -72,6 +72,7 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_hsdp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_dp_tp.py"): _PROCESSES,
     ("docs/distributed.md", "bucket_cap_mb=4,"): _PROCESSES,
+    ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_sp.py"): _PROCESSES,
     ("docs/models.md", 'model = GPT2LMHeadModel.from_pretrained("gpt2")'):
         "downloads GPT-2's weights and needs two GPUs; tests/test_graph.py converts a GPT-2 "
         "built from a small config",

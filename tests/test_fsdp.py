@@ -291,9 +291,9 @@ def _refused(rank: int, failures: Failures) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         pp, _ = mesh_groups(mesh)
         pipe = DistributedPipe(_model(), chunks=2, balance=[4, 4], group=pp)
-        pipe.stage_modules[0].append(_ToDTensor(mesh["dp"]))  # stage 0 sends a DTensor
-        expected: Any = ((TypeError, "would send a DTensor") if pipe.is_first
-                         else (PeerError, "stage 0 failed in the forward"))
+        pipe.stage_modules[0].append(_ToDTensor(mesh["dp"]))  # stage 0 sends a DTensor,
+        expected: Any = ((PeerError, "stage 1 failed in the forward") if pipe.is_first
+                         else (ValueError, "DistributedPipe(..., mesh=mesh)"))  # no "dp" mesh
         x, y = _batch(0)
         try:
             pipe.train_step(x[:8] if pipe.is_first else None, y[:8] if pipe.is_last else None,
@@ -311,7 +311,7 @@ def test_fsdp_stages() -> None:
     equal the single-process model's, reduced once per parameter group and step (not per
     micro-batch). bf16 and fp16 (with a PipeGradScaler) mixed-precision policies: equal to
     the single-process model with the policy, activations sent in its dtype. And what
-    is not supported yet raises, naming it, instead of training silently wrong: a
-    DTensor activation sent across a stage boundary (the
-    sender's own TypeError; its peer hears that stage 0 failed)."""
+    is not supported raises, naming it, instead of training silently wrong: a DTensor
+    activation that the receiving stage has no mesh to rebuild on (its ValueError names
+    ``mesh=``; its peer hears that stage 1 failed)."""
     run_workers(_worker, 4, timeout=300)

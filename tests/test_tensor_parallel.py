@@ -2,14 +2,16 @@
 parameters), on 4 gloo processes: pp=2 × tp=2 under three schedules; pp × dp × tp through
 seqpipe's own reducer and FSDP2 over TP (pp=1, 4 processes); each three AdamW steps equal to
 the single-process model; pp=2 × tp=2 under ``auto`` (one pick everywhere) with
-``clip_grad_norm_``, and a ``PipeGradScaler`` skipping a step for one tp rank's inf. A
-DTensor crossing a stage boundary is refused, naming it."""
+``clip_grad_norm_``, and a ``PipeGradScaler`` skipping a step for one tp rank's inf; the
+sequence sharded across the stage boundary (a DTensor activation and gradient:
+``sequence_parallel_cases``)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
+from sequence_parallel_cases import sequence_parallel_cases
 from test_fsdp import _batch, _full, _step_both  # the FSDP2 stages' data and checks
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -19,7 +21,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PipeGradScaler, mesh_groups
-from seqpipe.distributed.transport import PeerError
 
 TOL = dict(rtol=1e-6, atol=1e-9)
 
@@ -129,7 +130,7 @@ def _worker(rank: int, world: int) -> None:
             fully_shard(layer, mesh=cube["dp"])
         fully_shard(stage, mesh=cube["dp"])
     _train(pipe, replica, 2, failures, "fsdp=2 x tp=2")
-    _dtensor_activation(failures)
+    sequence_parallel_cases(failures)
     failures.finish()
 
 
@@ -170,29 +171,6 @@ def _scaled(mesh: DeviceMesh, pp: Any, failures: Failures) -> None:
                         f"scaler: step {step}: scale {scaler.get_scale()}, not {expected}")
 
 
-def _dtensor_activation(failures: Failures) -> None:
-    """Stage 0 ends in a Colwise layer with ``use_local_output=False``: its output, a
-    DTensor, would cross the boundary. The sender raises, naming the mend; its peer hears
-    that stage 0 failed (fresh groups: a failed step leaves its pipeline's unusable)."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    pp, _ = mesh_groups(mesh, data_dim="tp")
-    pipe = DistributedPipe(_model(), chunks=2, balance=[3, 3], group=pp)
-    if pipe.is_first:
-        pipe.stage_modules[0].append(nn.Linear(16, 16))
-        parallelize_module(pipe.stage_modules[0][-1], mesh["tp"],
-                           ColwiseParallel(use_local_output=False))
-    x, y = _batch(0)
-    expected: Any = ((TypeError, "use_local_output=True") if pipe.is_first
-                     else (PeerError, "stage 0 failed in the forward"))
-    try:
-        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
-                        nn.functional.mse_loss)
-    except expected[0] as exc:
-        failures.expect(expected[1] in str(exc), f"DTensor activation: {exc}")
-    else:
-        failures.expect(False, f"a DTensor activation crossed instead of {expected}")
-
-
 def test_tensor_parallel_stages() -> None:
     """pp=2 × tp=2 on 4 processes under 1f1b, zb_h1 (split backward) and interleaved_1f1b
     (two stages per rank), with each checkpointing mode: the gradients of three AdamW steps
@@ -203,5 +181,8 @@ def test_tensor_parallel_stages() -> None:
     (both used to be refused). And dp=2 × tp=2 (a one-stage pipe):
     seqpipe's data-parallel reducer averages the DTensor parameters' local shards (it used
     to leave them out, unreduced), and FSDP2 over the tensor-parallel blocks trains exactly.
-    A DTensor stage output is refused on the sending stage, naming the mend."""
+    Sequence parallelism across the boundary (a DTensor activation sharded on the
+    sequence, its gradient back as one; ``sequence_parallel_cases``) under 1f1b and zb_h1:
+    losses, gradients and parameters after two AdamW steps equal the model's (it used to
+    be refused); a receiver without a mesh to rebuild it on refuses, naming ``mesh=``."""
     run_workers(_worker, 4, timeout=300)

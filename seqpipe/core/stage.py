@@ -25,6 +25,7 @@ from seqpipe.core.batchnorm import end_statistics
 from seqpipe.core.caller_input import CallerInput
 from seqpipe.core.checkpoint import Replay, first_pass, refusing_reentrant, run_task
 from seqpipe.core.entry import Entry, enter
+from seqpipe.core.in_flight import settle
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.rng import backward_stream, captures
 from seqpipe.core.saved import SavedTensors
@@ -342,9 +343,9 @@ class Stage:
                 grad_outputs = self._input_half(state.head, grad_outputs, {}).inputs
             pending, state.replay = state.replay, None
             with pending.replay.recomputing():
-                _, fresh = self._forward_with_grad(pending.received, False,
-                                                   pending.replay.seed, pending.sink,
-                                                   replaying=True, split=True)
+                again, fresh = self._forward_with_grad(pending.received, False, pending.replay.seed,
+                                                       pending.sink, replaying=True, split=True)
+            settle((*again.outputs.tensors, *again.skips.values()))  # unread: their collectives
             state.__dict__.update({k: v for k, v in fresh.__dict__.items()
                                    if k not in ("replay", "head")})
         return self._input_half(state, grad_outputs, skip_grads)

@@ -23,6 +23,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from seqpipe.core.checkpoint import checkpoint_stop
 from seqpipe.core.loss_weights import CountFn, LossWeights, loss_weights
@@ -98,6 +99,8 @@ class CallLifecycle:
         self.broadcast_buffers = broadcast_buffers
         # verdicts before FSDP2's collectives (DistributedPipe(sharded_failure_checks=...))
         self.sharded_failure_checks = False
+        # where a DTensor received from another stage is rebuilt (DistributedPipe(mesh=...))
+        self.mesh: Optional[DeviceMesh] = None
         self.rank = transport.index
         self.num_ranks = placement.num_ranks
         self.num_stages = placement.num_stages
@@ -207,7 +210,8 @@ class CallLifecycle:
         reducer = self.reducer
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
                     seed=seed, timer=self.auto.timer() if self.auto else None,
-                    replica=reducer.replica if reducer else None, reducer=reducer)
+                    replica=reducer.replica if reducer else None, reducer=reducer,
+                    mesh=self.mesh)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
         with self._undoing_on_failure():
             loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint,
@@ -225,7 +229,7 @@ class CallLifecycle:
         """One ``DistributedPipe.forward`` on this rank (the caller turns off autograd)."""
         self.transport.begin()
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=False,
-                    replica=self.reducer.replica if self.reducer else None)
+                    replica=self.reducer.replica if self.reducer else None, mesh=self.mesh)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
         with self._undoing_on_failure():
             output = self._forward(call, input, chunks)

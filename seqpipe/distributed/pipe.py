@@ -9,6 +9,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from seqpipe.core.arguments import check_checkpoint_every, check_chunks
 from seqpipe.core.batchnorm import convert_deferred_batch_norm
@@ -26,6 +27,7 @@ from seqpipe.distributed.data_parallel import (
     check_data_parallel_group,
     reducer_options,
 )
+from seqpipe.distributed.dtensor_wire import check_mesh
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.lifecycle import CallLifecycle
 from seqpipe.distributed.materialize import materialize
@@ -114,6 +116,12 @@ class DistributedPipe(nn.Module):
             pp=2 x fsdp=2 CPU step in ``benchmarks/dist_fsdp_verdicts.py``; on a GPU a
             host sync that also stops FSDP2's prefetching), so turn it on while
             developing, or set ``init_process_group(timeout=...)``.
+        mesh: a ``DeviceMesh`` with the dimensions of the meshes of the ``DTensor``
+            activations that stages send one another (say the ``("pp", "tp")`` mesh whose
+            pipeline groups ``mesh_groups`` gave): a ``DTensor`` received from another
+            stage is rebuilt on this rank's sub-mesh of the sender's dimension names (see
+            "Sequence parallelism across stages" in docs/distributed.md). Default: the
+            mesh of one of this rank's ``DTensor`` parameters that has those dimensions.
     """
 
     def __init__(self, module: nn.Sequential, chunks: int = 1, *,
@@ -126,7 +134,8 @@ class DistributedPipe(nn.Module):
                  checkpoint_every: Optional[int] = None,
                  bucket_cap_mb: Optional[float] = None,
                  reduce_dtype: Optional[torch.dtype] = None,
-                 sharded_failure_checks: bool = False) -> None:
+                 sharded_failure_checks: bool = False,
+                 mesh: Optional[DeviceMesh] = None) -> None:
         super().__init__()
         verify_module(module)
         if not dist.is_available() or not dist.is_initialized():
@@ -226,6 +235,7 @@ class DistributedPipe(nn.Module):
                                     partition=partition,
                                     broadcast_buffers=self.broadcast_buffers)
         self._calls.sharded_failure_checks = bool(sharded_failure_checks)
+        self._calls.mesh = check_mesh(mesh)
 
     @property
     def stage_modules(self) -> Tuple[nn.Sequential, ...]:

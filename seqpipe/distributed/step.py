@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -37,6 +36,7 @@ from typing import (
 )
 
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import GradSink
@@ -45,8 +45,8 @@ from seqpipe.core.tasks import LossFn, Tasks
 from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.auto import ActionTimer
+from seqpipe.distributed.dtensor_wire import Crossing
 from seqpipe.distributed.plan import Planned
-from seqpipe.distributed.tensor_parallel import refuse_dtensors
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.distributed.values import check_values
 from seqpipe.schedule import Action, Phase, Placement
@@ -91,6 +91,12 @@ class Call(Tasks):
     replica: Optional[int] = None  # this pipeline's index in the data-parallel group
     reducer: Optional["GradientReducer"] = None  # told of a failure, for the replicas
     sharded: Optional["ShardedStep"] = None  # told too, for FSDP2's replicas and shards
+    mesh: Optional[DeviceMesh] = None  # DistributedPipe(mesh=...): where a received
+    # DTensor is rebuilt
+    dtensors: Crossing = field(init=False)  # DTensors across stage boundaries
+
+    def __post_init__(self) -> None:
+        self.dtensors = Crossing(self.stages, self.mesh)
 
     @property
     def rank(self) -> int:
@@ -114,11 +120,6 @@ class Call(Tasks):
         if self.placement.num_stages == self.placement.num_ranks:
             return f"stage {held[0]}{self._of_replica}"
         return f"rank {rank} (stages {', '.join(map(str, held))}){self._of_replica}"
-
-    @cached_property
-    def me(self) -> str:
-        """``name()`` of this rank, made once per call (every send passes it along)."""
-        return self.name()
 
     @property
     def _of_replica(self) -> str:
@@ -144,11 +145,13 @@ class Call(Tasks):
         """Wait for one message from rank ``src``, keeping others that arrive first."""
         wanted = (kind, microbatch, key, origin)
         if src == self.rank:  # from a stage of this rank: handed over already
-            return self.local.pop(wanted)
-        with traced.receiving(self, src, wanted):
-            while wanted not in self.inbox:
-                self._take(src, kind)
-        return self.inbox.pop(wanted)
+            message = self.local.pop(wanted)
+        else:
+            with traced.receiving(self, src, wanted):
+                while wanted not in self.inbox:
+                    self._take(src, kind)
+            message = self.inbox.pop(wanted)
+        return self.dtensors.incoming(message, src, self.name)
 
     def _take(self, src: int, kind: Kind) -> None:
         """Receive the next message from rank ``src`` into the inbox (waiting for a
@@ -180,7 +183,11 @@ class Call(Tasks):
     def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
         """Queue a message to rank ``dst``; a failure to send is the peer's failure."""
-        refuse_dtensors(tensors, self.me, _WHAT[kind])  # this stage's error, not the peer's
+        tensors, values = self.dtensors.outgoing(  # a DTensor as its shard; this stage's errors
+            kind, microbatch, options.get("key", -1), options.get("origin", -1), tensors, flags,
+            options.get("values", ()), self.name)
+        if values:
+            options["values"] = values
         if dst == self.rank:  # to a stage of this rank: cut from the graph, as if sent
             kept = tuple(t.detach() if t is not None else None for t in tensors)
             check_values(options.get("values", ()))  # what could not cross to another rank

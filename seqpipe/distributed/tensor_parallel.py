@@ -23,13 +23,13 @@ What this module adds:
   every rank must agree on (``schedule="auto"``'s costs, a ``PipeGradScaler``'s ``found_inf``)
   and the gradient norm are reduced over the tensor-parallel dimension too: it is one of
   the mesh dimensions of the stages' ``DTensor`` parameters (``MeshReduce``).
-* ``refuse_dtensors``: a ``DTensor`` activation or gradient does not cross a stage boundary
-  yet (the receiving rank would need its own mesh to rebuild it on); the sending stage
-  raises, naming the mend, rather than its peer failing on a garbled message.
+* A ``DTensor`` activation or gradient (a stage ending in a layer with
+  ``use_local_output=False``, ``SequenceParallel``'s default) crosses a stage boundary as
+  its local shard and a description: ``seqpipe.distributed.dtensor_wire``.
 """
 from __future__ import annotations
 
-from typing import Collection, Dict, Iterable, List, Optional, Sequence
+from typing import Collection, Dict, Iterable, List
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.fsdp import _is_dtensor
 
-__all__ = ["as_grad", "local", "reducible", "refuse_dtensors"]
+__all__ = ["as_grad", "local", "reducible"]
 
 
 def local(tensor: Tensor) -> Tensor:
@@ -69,18 +69,3 @@ def reducible(stages: Iterable[Stage], managed: Collection[int]) -> List[nn.Para
             if id(param) not in managed:
                 seen.setdefault(id(param), param)
     return list(seen.values())
-
-
-def refuse_dtensors(tensors: Sequence[Optional[Tensor]], sender: str, what: str) -> None:
-    """Raise ``TypeError`` if one of ``tensors``, which ``sender`` is about to send as
-    ``what``, is a ``DTensor``: the wire carries plain tensors only, so far. Raised on the
-    sending stage, as its own error (its peers hear that it failed)."""
-    for tensor in tensors:
-        if _is_dtensor(tensor):
-            raise TypeError(
-                f"{sender} would send a DTensor (placements {tensor.placements}, global shape "
-                f"{tuple(tensor.shape)}) as the {what}; DistributedPipe does not send "
-                f"DTensors between stages yet (issue 25): make the stage's output a plain "
-                f"tensor: use_local_output=True in the parallel style of the stage's last "
-                f"layer (ColwiseParallel's and RowwiseParallel's default, not "
-                f"SequenceParallel's), or dtensor.full_tensor() or .to_local() in the model")

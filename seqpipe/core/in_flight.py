@@ -1,0 +1,37 @@
+"""The outputs of a recomputed forward: wait for the collectives still computing them.
+
+A tensor-parallel layer's collectives (``RowwiseParallel``'s reduce-scatter, through
+``torch.distributed``'s functional collectives) return their result at once, as an
+``AsyncCollectiveTensor`` (the local shard of a ``DTensor`` output), and wait for the
+collective when it is first read. A result nobody reads is never waited for: the process
+group keeps it registered as in flight, one more entry each step (and warns at exit). A
+split backward's ``I`` recomputes a checkpointed forward for its graph alone and does not
+read its outputs (their values went out at the first pass), so it settles them here.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, Optional
+
+from torch import Tensor
+
+__all__ = ["settle"]
+
+
+def _class(module: str, name: str) -> Any:
+    """``module.name`` if ``module`` is imported (no instance exists before it is)."""
+    return getattr(sys.modules.get(module), name, None)
+
+
+def settle(tensors: Iterable[Optional[Tensor]]) -> None:
+    """Wait for the collectives computing ``tensors`` (``DTensor``s: their local shards),
+    which will not be read."""
+    pending = _class("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+    if pending is None:  # not imported: no collective is in flight this way
+        return
+    dtensor = _class("torch.distributed.tensor", "DTensor")
+    for tensor in tensors:
+        if dtensor is not None and isinstance(tensor, dtensor):
+            tensor = tensor.to_local()
+        if isinstance(tensor, pending):
+            tensor.trigger_wait()
