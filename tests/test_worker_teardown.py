@@ -33,13 +33,10 @@ def _abort_at_teardown(rank: int, world: int) -> None:
     _doomed = _AbortsWhenFinalized()  # kept by this module until the teardown clears it
 
 
-def _raises(rank: int, world: int) -> None:
+def _raises_while_its_peer_hangs(rank: int, world: int) -> None:
     if rank == 1:
         raise ZeroDivisionError("rank one's own failure")
-
-
-def _hangs(rank: int, world: int) -> None:
-    time.sleep(600)
+    time.sleep(600)  # killed when rank 1 fails
 
 
 def _children(pid: int) -> list:
@@ -66,15 +63,12 @@ def test_a_worker_that_aborts_in_the_interpreter_teardown_fails_the_call() -> No
     assert _children(harness._zygote.process.pid) == []  # reaped: no zombie
 
 
-def test_a_worker_exception_and_a_hang_fail_the_call_and_leave_no_process() -> None:
+def test_a_worker_exception_fails_the_call_and_its_hung_peer_is_killed_and_reaped() -> None:
+    started = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
-        run_workers(_raises, 2, timeout=60)
+        run_workers(_raises_while_its_peer_hangs, 2, timeout=60)
+    assert time.monotonic() - started < 30  # not the timeout: at rank 1's failure
     text = str(info.value)
     assert "rank 1 raised (it then ended with status 1)" in text, text
     assert "ZeroDivisionError: rank one's own failure" in text, text
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"2 workers did not finish within 3 s .*"
-                                           r"ranks \[0, 1\] still ran"):
-        run_workers(_hangs, 2, timeout=3)
-    assert time.monotonic() - started < 30
-    assert _children(harness._zygote.process.pid) == []  # killed and reaped
+    assert _children(harness._zygote.process.pid) == []  # rank 0 killed and reaped
