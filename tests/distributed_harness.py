@@ -4,40 +4,40 @@ Each worker initialises a gloo process group over ``127.0.0.1`` with a short col
 timeout and one intra-op thread (the rendezvous goes through a file, so no port has to be
 picked in advance, where another process could take it first), runs
 ``fn(rank, world_size, *args)``, tears the group down and ends normally, through the
-interpreter's teardown (its first part, in a forked worker: below), as a user's script does
-(and checks that the default group did not outlive ``destroy_process_group()``, which can
-make that teardown abort). A worker that
-must end without the collective teardown (its peer was killed) says so itself, with
-``os._exit``. The parent waits at most
-``timeout`` seconds; a hang kills every worker and fails the test instead of stalling CI.
-A worker's exception fails the test with the worker's traceback.
+interpreter's whole teardown, as a user's script under torchrun does (and checks that the
+default group did not outlive ``destroy_process_group()``, which can make that teardown
+abort). A worker that must end without the collective teardown (its peer was killed) says
+so itself, with ``os._exit``. The parent waits at most ``timeout`` seconds; a hang kills
+every worker and fails the test instead of stalling CI. A worker's exception fails the
+test with the worker's traceback, and so does a worker that ends with a non-zero status
+or a signal after its function returned (an abort in the interpreter's teardown).
 
-The workers are forks of one server process per test session (multiprocessing's
-``forkserver``) that has imported torch, seqpipe and what the tests use once (below):
-a worker starts in a fraction of a second instead of importing them itself (2-3 s of CPU
-each; 4 of them on 2 cores took 4-6 s of every launch). Two things differ from a fresh
-interpreter. The modules are imported before the process group exists. And
-multiprocessing ends a forked child with ``os._exit``, skipping the interpreter's
-teardown, so a worker whose function returned does the teardown's first part itself: it
-waits for its threads that are not daemons and runs the exit handlers (among them
-seqpipe's, which delivers the messages a failed call left in flight); the check that the
-default group is gone after ``destroy_process_group()`` still runs. A test of the import
-order or of the teardown's end (``tests/test_exit.py``) asks for
-``fresh_interpreter=True``: spawned workers that import what they use, late, and end
-through the interpreter's whole teardown.
+The workers are forks of one server process per test session, ``tests/worker_zygote.py``,
+that has imported torch, seqpipe and what the tests use once (``PRELOAD``): a worker
+starts in a fraction of a second instead of importing them itself (2-3 s of CPU each; 4 of
+them on 2 cores took 4-6 s of every launch). A forked worker runs at the zygote script's
+top level and ends as that script ends (see its docstring); unlike multiprocessing's
+``forkserver``, which ends a child with ``os._exit``, nothing of the teardown is skipped.
+One thing differs from a fresh interpreter: the modules are imported before the process
+group exists. A test of the import order (``tests/test_exit.py``) asks for
+``fresh_interpreter=True``: spawned workers that import what they use, late.
 """
 from __future__ import annotations
 
 import atexit
 import datetime
-import multiprocessing
+import itertools
 import os
+import pickle
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 import weakref
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -45,17 +45,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-__all__ = ["run_workers", "free_port"]
+__all__ = ["run_workers", "free_port", "WorkerFailed"]
 
-# What the fork server imports once, when the first launch starts it (set before any
-# launch: it starts only once). Module names importable from the server's own sys.path (on
-# Python 3.11 it does not get the parent's), so none of tests/; one that fails to import is
-# skipped, and a worker then imports it itself. None of them starts a thread at import (a
-# fork would not copy it).
-multiprocessing.set_forkserver_preload([
-    "torch", "torch._dynamo",  # activation checkpointing imports torch._dynamo at its first call
-    "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
-    "transformers", "seqpipe", "seqpipe.distributed", "seqpipe.graph"])
+# What the zygote imports once, when the first launch starts it. None of them starts a
+# thread at import (a fork would not copy it); one that fails to import is skipped, and a
+# worker then imports it itself.
+PRELOAD = ["torch", "torch._dynamo",  # activation checkpointing imports it at its first call
+           "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "transformers", "seqpipe", "seqpipe.distributed", "seqpipe.graph"]
+_ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_zygote.py")
+
+
+class WorkerFailed(AssertionError):
+    """A worker raised, or ended with a non-zero status or a signal."""
 
 
 def free_port() -> int:
@@ -64,18 +66,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _end_as_a_script_does() -> None:
-    """What the interpreter's teardown does before it finalizes modules, for a forked
-    worker (which multiprocessing ends with ``os._exit``): wait for the threads that are
-    not daemons, then run the exit handlers."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-
-
 def _entry(rank: int, world_size: int, store: str, pg_timeout: float, backend: str,
-           forked: bool, fn: Callable[..., Any], args: tuple) -> None:
+           fn: Callable[..., Any], args: tuple) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
@@ -102,8 +94,100 @@ def _entry(rank: int, world_size: int, store: str, pg_timeout: float, backend: s
         raise AssertionError("the default process group outlived destroy_process_group(): "
                              "something still refers to it (see 'Ending a script' in "
                              "docs/distributed.md)")
-    if forked:
-        _end_as_a_script_does()
+
+
+class _Zygote:
+    """The parent's end of ``tests/worker_zygote.py``: started on first use, ended (its
+    connection closed, the process reaped) when the test session's interpreter exits."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, _ZYGOTE_SCRIPT, str(theirs.fileno())],
+                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send((list(sys.path), PRELOAD))
+        self.launches = itertools.count()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        self.conn.close()  # the zygote kills what still runs, reaps it and exits
+        self.process.wait(timeout=60)
+
+    def _next(self, launch: int, kind: str, timeout: Optional[float]) -> Optional[tuple]:
+        """The next message of this launch (earlier launches' are stale), or None on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.conn.poll(wait):
+                return None
+            message = self.conn.recv()
+            if message[0] == kind and message[1] == launch:
+                return message
+
+    def run(self, jobs: List[tuple], timeout: float, what: str) -> Dict[int, int]:
+        """Fork one worker per job; return {rank: exit code} once every one has ended, or
+        at the first that failed (the others killed). Raise TimeoutError after ``timeout``
+        seconds, every worker killed and reaped."""
+        launch = next(self.launches)
+        common = dict(env=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path))
+        deadline = time.monotonic() + timeout
+        self.conn.send(("start", launch, common, jobs))
+        started = self._next(launch, "started", None)
+        assert started is not None
+        rank_of = {pid: rank for rank, pid in enumerate(started[2])}
+        codes: Dict[int, int] = {}
+        try:
+            while len(codes) < len(jobs) and not any(codes.values()):
+                message = self._next(launch, "exited", deadline - time.monotonic())
+                if message is None:
+                    running = sorted(set(rank_of.values()) - set(codes))
+                    raise TimeoutError(f"{what} did not finish within {timeout} s (a hang: "
+                                       f"ranks {running} still ran); killed them")
+                codes[rank_of[message[2]]] = message[3]
+        finally:
+            if len(codes) < len(jobs):
+                self.conn.send(("kill", launch))
+                while len(codes) < len(jobs):  # SIGKILLed: reaped at once
+                    message = self._next(launch, "exited", 60)
+                    assert message is not None, "the zygote did not reap a killed worker"
+                    codes.setdefault(rank_of[message[2]], message[3])
+        return codes
+
+
+_zygote: Optional[_Zygote] = None
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        return f"was killed by signal {signal.Signals(-code).name} ({-code})"
+    return f"ended with status {code}"
+
+
+def _run_forked(world_size: int, folder: str, entry_args: tuple, timeout: float) -> None:
+    global _zygote
+    if _zygote is None:
+        _zygote = _Zygote()
+    files = [(os.path.join(folder, f"{rank}.error"), os.path.join(folder, f"{rank}.done"))
+             for rank in range(world_size)]
+    jobs = [(pickle.dumps((_entry, (rank, *entry_args))), *files[rank])
+            for rank in range(world_size)]
+    codes = _zygote.run(jobs, timeout, f"{world_size} workers")
+    failed = [rank for rank, code in codes.items() if code != 0]
+    if not failed:
+        return
+    rank = failed[0]
+    error_file, done_file = files[rank]
+    status = _exit_status(codes[rank])
+    if os.path.exists(error_file):
+        with open(error_file) as file:
+            raise WorkerFailed(f"rank {rank} raised (it then {status}):\n{file.read()}")
+    if os.path.exists(done_file):
+        raise WorkerFailed(f"rank {rank} {status} after its function returned and its "
+                           f"process group was destroyed: in the interpreter's teardown "
+                           f"(a user's script would end the same way)")
+    raise WorkerFailed(f"rank {rank} {status} while running its function (its output "
+                       f"above may say why)")
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
@@ -111,29 +195,36 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
                 fresh_interpreter: bool = False) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; raise on failure.
 
-    ``backend="nccl"`` gives rank ``r`` the GPU ``cuda:r``. ``fresh_interpreter=True``
-    spawns each worker as a new interpreter that imports only what ``fn``'s module imports
-    and ends through the interpreter's teardown (seconds slower per launch); by default the
-    workers fork from the preloaded server (see the module's docstring).
+    ``fn`` and ``args`` must pickle (a module-level function). ``backend="nccl"`` gives
+    rank ``r`` the GPU ``cuda:r``. ``fresh_interpreter=True`` spawns each worker as a new
+    interpreter that imports only what ``fn``'s module imports (seconds slower per launch);
+    by default the workers fork from the preloaded zygote (see the module's docstring).
+    Either way a worker ends through the interpreter's whole teardown, and a failure there
+    fails the call (``WorkerFailed``, naming the signal or status).
     """
     assert 1 <= world_size <= 4, "CI runs at most 4 processes"
     folder = tempfile.mkdtemp(prefix="seqpipe-test-pg-")
     store = os.path.join(folder, "store")
-    context = mp.start_processes(_entry, args=(world_size, store, pg_timeout, backend,
-                                               not fresh_interpreter, fn, args),
-                                 nprocs=world_size, join=False,
-                                 start_method="spawn" if fresh_interpreter else "forkserver")
-    deadline = time.monotonic() + timeout
     try:
-        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} workers did not finish within {timeout} s "
-                                   f"(a hang); killed them")
+        if not fresh_interpreter:
+            _run_forked(world_size, folder, (world_size, store, pg_timeout, backend, fn, args),
+                        timeout)
+            return
+        context = mp.start_processes(_entry, args=(world_size, store, pg_timeout, backend,
+                                                   fn, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size} workers did not finish within "
+                                       f"{timeout} s (a hang); killed them")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
     finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 import seqpipe
+from distributed_harness import run_workers
 from seqpipe import Pipe
 from seqpipe.schedule import FillDrain
 from seqpipe.trace import Event, EventKind, Recording, hooks
-from tests.distributed_harness import run_workers
 
 _ACTIONS = (EventKind.FORWARD, EventKind.BACKWARD, EventKind.INPUT_GRAD,
             EventKind.WEIGHT_GRAD)
