@@ -10,7 +10,7 @@ with the opening message of the call, for every other rank to compare with its o
 from __future__ import annotations
 
 import zlib
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch import nn
 
 from seqpipe.distributed.wire import Message
 
-__all__ = ["call_kind", "check_same_call", "check_same_model", "opened"]
+__all__ = ["call_kind", "check_same_call", "check_same_model", "gather_ints", "opened"]
 
 _CALLS = {(1, 1): "train_step with a scaler", (1, 0): "train_step", (0, 0): "forward"}
 
@@ -33,16 +33,23 @@ def _fingerprint(module: nn.Sequential, config: Tuple[Any, ...]) -> int:
     return zlib.crc32("\n".join(parts).encode()) & 0x7FFFFFFF
 
 
+def gather_ints(values: Sequence[int], group: Optional[dist.ProcessGroup],
+                device: torch.device) -> List[List[int]]:
+    """Every rank's ``values`` (as many on each rank), in the order of ``group``'s ranks:
+    one all-gather, which every rank of ``group`` calls together."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
 def check_same_model(module: nn.Sequential, config: Tuple[Any, ...],
                      group: Optional[dist.ProcessGroup], device: torch.device,
                      who: str = "ranks") -> int:
     """Raise ``ValueError`` on every rank of ``group`` unless all built the same model with
     the same ``config``; return the shared checksum. ``who`` names the ranks in the message
     (``"stages"`` when each holds one stage)."""
-    mine = torch.tensor([_fingerprint(module, config)], dtype=torch.int64, device=device)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    values = [int(t.item()) for t in everyone]
+    values = [v for v, in gather_ints([_fingerprint(module, config)], group, device)]
     odd = [r for r, v in enumerate(values) if v != values[0]]
     if odd:
         raise ValueError(

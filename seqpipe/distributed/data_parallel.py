@@ -44,6 +44,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from seqpipe.core.loss_weights import Replicas
 from seqpipe.core.sink import step_aware
 from seqpipe.distributed import verdict
+from seqpipe.distributed.agreement import gather_ints
 from seqpipe.distributed.comm_hook import CommHook, GradBucket, HookWork
 from seqpipe.distributed.tensor_parallel import as_grad, local
 from seqpipe.distributed.transport import PeerError
@@ -308,16 +309,14 @@ def _weak_hook(reducer: "GradientReducer") -> Callable[[Tensor], None]:
 def check_data_parallel_group(stage: int, fingerprint: int, group: dist.ProcessGroup,
                               device: torch.device) -> None:
     """Reject a data-parallel group whose members are not replicas of the same stage."""
-    mine = torch.tensor([stage, fingerprint], dtype=torch.int64, device=device)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    stages = sorted({int(t[0]) for t in everyone})
+    everyone = gather_ints([stage, fingerprint], group, device)
+    stages = sorted({t[0] for t in everyone})
     if len(stages) > 1:
         raise ValueError(
             f"the data_parallel_group mixes pipeline stages {stages}; it must hold the "
             f"replicas of one stage (same rank in each pipeline group) — e.g. build both "
             f"groups from a DeviceMesh with seqpipe.distributed.mesh_groups(mesh)")
-    if len({int(t[1]) for t in everyone}) > 1:
+    if len({t[1] for t in everyone}) > 1:
         raise ValueError("the replicas in data_parallel_group built different models or "
                          "pipeline settings; every replica must use the same model and arguments")
 

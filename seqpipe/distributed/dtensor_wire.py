@@ -28,7 +28,6 @@ coordinate of it (on the receiver).
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -163,13 +162,6 @@ def check_mesh(mesh: Any) -> Any:
     return mesh
 
 
-def _any_dtensor(tensors: Sequence[Optional[Tensor]]) -> bool:
-    """Whether one of ``tensors`` is a ``DTensor`` (none can be before
-    ``torch.distributed.tensor`` is imported)."""
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and any(isinstance(t, cls) for t in tensors)
-
-
 def _returning(kind: Kind, microbatch: int, key: int, origin: int) -> _Identity:
     """The identity of the gradient message that answers a forward message (an
     activation from stage ``origin`` comes back from ``origin + 1``; a skip by its key)."""
@@ -211,7 +203,7 @@ class Crossing:
         as the ``DTensor`` it is the gradient of. Plain messages pass unchanged."""
         layouts = (self._received.pop(_identity(kind, microbatch, key, origin), None)
                    if self._received and kind in _BACKWARD else None)
-        if layouts is None and not _any_dtensor(tensors):  # the usual case: at once
+        if layouts is None and not any(map(_is_dtensor, tensors)):  # the usual case: at once
             return tensors, values
         sender, what = name(None), WHAT[kind]
         if kind in _BACKWARD:
@@ -303,7 +295,6 @@ class Crossing:
             f"on: {where}. Pass DistributedPipe(..., mesh=mesh), the DeviceMesh with "
             f"dimensions {names} (say the (\"pp\", \"tp\") mesh the pipeline groups come "
             f"from), or make the sender's output a plain tensor (use_local_output=True)")
-
 
 
 def _as_sent(grads: Sequence[Optional[Tensor]], layouts: Dict[int, _Layout], sender: str,

@@ -38,9 +38,9 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.distributed.agreement import gather_ints
 from seqpipe.distributed.fsdp import ShardedStep, unsharded_grad
 from seqpipe.distributed.tie_layout import layout
 from seqpipe.distributed.ties import TiedCopies
@@ -152,11 +152,9 @@ class TieGrads:
             else:
                 word = GIVEN if grad is not None else TRAINED
             mine.append([word, -1 if copy is None else layout(self._like(t, grad))])
-        row = torch.tensor(mine, dtype=torch.int64, device=self.copies.device).view(-1, 2)
-        group = self.copies.group
-        everyone = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, row, group=group)
-        return ([w[:, 0].tolist() for w in everyone], [w[:, 1].tolist() for w in everyone])
+        everyone = gather_ints([v for pair in mine for v in pair], self.copies.group,
+                               self.copies.device)
+        return [w[0::2] for w in everyone], [w[1::2] for w in everyone]
 
 
 def _mixed(tie: str, stages: Sequence[int], said: List[int]) -> str:

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from seqpipe.distributed.agreement import gather_ints
 from seqpipe.distributed.mesh import _new_group
 from seqpipe.distributed.tensor_parallel import local
 from seqpipe.distributed.tie_layout import full, sum_dtype, write_full
@@ -281,10 +282,7 @@ class TiedCopies:
         """Per stage, per tie: its copy's checksum; -1 without a copy, -2 if built on meta."""
         mine = [(-2 if m else _checksum(c)) if c is not None else -1
                 for c, m in zip(self.copies, meta)]
-        row = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        everyone = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(everyone, row, group=self.group)
-        return [t.tolist() for t in everyone]
+        return gather_ints(mine, self.group, self.device)
 
     def verify(self, meta: Optional[Sequence[bool]] = None, *,
                at_construction: bool = False) -> None:
@@ -338,10 +336,7 @@ def _pipelines(group: Optional[dist.ProcessGroup],
         return None
     if len(ranks) * dist.get_world_size(data_parallel_group) != world:
         return None
-    mine = torch.tensor(ranks, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(data_parallel_group))]
-    dist.all_gather(everyone, mine, group=data_parallel_group)
-    lines = sorted({tuple(t.tolist()) for t in everyone})
+    lines = sorted({tuple(r) for r in gather_ints(ranks, data_parallel_group, device)})
     covered = sorted(r for line in lines for r in line)
     if covered != list(range(world)):
         return None
