@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+from test_exit import pipes_on_whole_world_meshes
 from test_fsdp import _full
 from torch import Tensor, nn
 from torch.distributed._composable import replicate as ddp_replicate
@@ -327,6 +328,9 @@ def _worker(rank: int, world: int) -> None:
     _refused(failures)
     _failed(failures)
     failures.finish()
+    # seqpipe imported before the process group (the workers fork from a server that
+    # imported it); tests/test_exit.py has the other order
+    pipes_on_whole_world_meshes(world)
 
 
 def test_mesh() -> None:
