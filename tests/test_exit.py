@@ -69,7 +69,8 @@ def pipes_on_whole_world_meshes(world_size: int) -> None:
     trains a step (its loss the plain model's) and stays alive to the end, as a script's
     globals do; a pipe that held its group would keep the default group alive past
     ``destroy_process_group()``. The meshes are dropped: torch's ``DeviceMesh`` keeps its
-    groups (``benchmarks/mesh_exit_repro.py``; "Ending a script" in docs/distributed.md)."""
+    groups (``benchmarks/exit_repro.py --cases mesh-held``; "Ending a script" in
+    docs/distributed.md)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from seqpipe.distributed import DistributedPipe, mesh_groups
