@@ -123,9 +123,11 @@ def _killed(rank: int, world: int) -> None:
     # first send to the dead rank already fails (a race with its exit, not a defect).
     assert "micro-batch" in text or "start of the step" in text, text
     assert time.monotonic() - started < PG_TIMEOUT, "waited out the group's timeout"
-    # Stage 0 knows stage 1 is gone by now: it fails at the opening of the next step,
-    # tells stage 2 (waiting for that opening) and ends at once. Stage 2 reads the
-    # abort, not the closed connection: the exit handler saw it out first.
+    # Stage 0 has (almost always) seen stage 1's connections close by now: it fails at
+    # the opening of the next step, tells stage 2 (waiting for that opening) and ends at
+    # once. Stage 2 must read that abort, not stage 0's closed connection: the exit
+    # handler sees the abort out first. (Else stage 0 sends the opening, and stage 2
+    # loses stage 1 itself: the same report.)
     with pytest.raises(PeerError) as info:
         _step(late, rank, world)
     assert "lost stage 1" in str(info.value), str(info.value)

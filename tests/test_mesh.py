@@ -341,5 +341,6 @@ def test_mesh() -> None:
     and gradients (FSDP2, HSDP, plain data parallel with tied weights, 2- and inf-norm);
     count_fn's count is summed over the FSDP2 mesh (the global token mean's gradient);
     the DDP-based replicate is refused; a rank failing in a forward or in its last
-    backward makes every rank raise within seconds, its FSDP2 peer naming the failure."""
+    backward makes every rank raise within seconds, its FSDP2 peer naming the failure;
+    pipes on mesh dimensions that span every rank leave the default group free at exit."""
     run_workers(_worker, 4, timeout=300, pg_timeout=PG_TIMEOUT)

@@ -142,7 +142,7 @@ class DistributedPipe(nn.Module):
             raise RuntimeError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (or launch with "
                                "torchrun), or use seqpipe.Pipe for one process")
-        self.group = group = kept(group)  # not the default group: it outlives destroy
+        self.group = group = kept(group)  # the default group, however named: None
         self.num_ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if self.rank < 0:
