@@ -94,6 +94,8 @@ class Call(Tasks):
     mesh: Optional[DeviceMesh] = None  # DistributedPipe(mesh=...): where a received
     # DTensor is rebuilt
     dtensors: Crossing = field(init=False)  # DTensors across stage boundaries
+    # the rank of stage 0: the call kind it sends with STEP, and the ranks not yet told
+    openings: Optional[Tuple[Tensor, List[int]]] = None
 
     def __post_init__(self) -> None:
         self.dtensors = Crossing(self.stages, self.mesh)
@@ -214,6 +216,15 @@ class Call(Tasks):
         except PeerError as exc:
             raise PeerError(f"{self.name()} {exc} (at {self.action})", peer=exc.peer) from exc
 
+    def open_to(self, ranks: Sequence[int]) -> None:
+        """Send the call's STEP message (the micro-batch count and the call kind) to
+        ``ranks`` (the rank of stage 0, from ``openings``)."""
+        assert self.openings is not None
+        told, waiting = self.openings
+        for r in ranks:
+            self.send(r, Kind.STEP, -1, [told], count=self.microbatches)
+        self.openings = (told, [r for r in waiting if r not in ranks])
+
     # -- the transport side of the actions (``Tasks`` runs them) -------------------------
     def receive_forward(self, s: int, i: int, inputs: Optional[Sequence[Batch]]) -> Received:
         rank = self.placement.rank_of
@@ -284,6 +295,8 @@ class Call(Tasks):
             self.at = action
             try:
                 run(n, action)
+                if n == 0 and self.openings is not None and self.openings[1]:
+                    self.open_to(self.openings[1])  # the ranks not told before (``open``)
             except Exception as exc:
                 self._failed(exc, describe(action), action.stage)
                 raise
