@@ -10,16 +10,15 @@ as 1F1B cannot deadlock on sends. NCCL and gloo share this one code path.
 posts the receives of a peer's next message, header *and* payload, sized as the same
 message was in the previous call, before the peer sends it, so the data is written straight
 into place; waiting for a header before posting the payload would put a second round trip
-on the critical path of every hop. A receive is put off until the rank is about to wait
-(``_post_due``): posting costs the main thread ~0.1 ms, and right after a message arrived
-(where it used to be posted) that time lay on the hop, between the data and the layer
-that needs it; while the rank waits it costs nothing. A receive not posted by then is
-posted when its message is needed, as is the next message from a peer when the same action
-needs it too. The sender keeps the same record, so it knows what the
-receiver posted: when the shapes differ it sends a buffer of the size the receiver posted,
-whose header says so, and the real payload after it (one extra round trip). Which size is
-posted, and when a changing shape stops being trusted, is ``seqpipe.distributed.shapes``.
-A failure notice is sized the same way, so it fills exactly what the peer posted.
+on the critical path of every hop. Posting is put off until the rank is about to wait
+(``_post_due``), where it costs nothing; right after a message arrived it cost ~0.1 ms of
+the hop, between the data and its layer. A receive not posted by then is posted when its
+message is needed (at once if the same action needs it). The sender keeps the same record,
+so it knows what the receiver posted: when the shapes differ it sends a buffer of the size
+the receiver posted, whose header says so, and the real payload after it (one extra round
+trip). Which size is posted, and when a changing shape stops being trusted, is
+``seqpipe.distributed.shapes``. A failure notice is sized the same way, so it fills exactly
+what the peer posted.
 
 **Headers stay on the host side.** On a GPU a header is built in pinned memory and copied
 into the message buffer without blocking, and a received header is read back through a
@@ -37,13 +36,8 @@ direction). A pipeline on a group for which no second group could be made (see
 ``seqpipe.distributed.mesh``) uses its one group both ways; on NCCL it then posts each
 receive only when the message is needed.
 
-**Communicators and failures.** NCCL creates a communicator per pair of ranks of a group
-on first use, and that blocks until both ends arrive; ranks that first touch their pairs in
-different orders deadlock. ``connect`` opens, when the pipeline is built, every (group,
-pair) the plan will use, in one order all ranks agree on. A failure notice travels only
-over those pairs: each stage tells the stages that still expect a message from it, and a
-stage that hears of a failure passes it on the same way (``abort``), so no new
-communicator is ever needed after construction.
+**Communicators and failures.** Every (group, pair) a call uses is opened when the pipeline
+is built (``seqpipe.distributed.communicators``), and failures travel only over those.
 
 **Letting go of sent tensors.** A sent tensor must stay alive until its send completes.
 The plan says when a message has certainly been taken (its receiver has since sent
@@ -63,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpipe.distributed import inflight
+from seqpipe.distributed.communicators import open_pairs
 from seqpipe.distributed.shapes import SeenShapes
 from seqpipe.distributed.values import Values
 from seqpipe.distributed.wire import (
@@ -88,7 +83,6 @@ if TYPE_CHECKING:
 __all__ = ["Kind", "Message", "Transport", "PeerError", "HEADER_SLOTS"]
 
 Channel = Tuple[int, int]  # (sending stage, receiving stage)
-
 _Sent = Tuple[int, dist.Work, Tensor]  # taken_at, work, the buffer it must keep alive
 
 
@@ -153,33 +147,10 @@ class Transport:
         self._arrived = torch.cuda.Event() if self._pin else None
 
     # -- communicators -----------------------------------------------------------------
-    def _group_to(self, stage: int) -> Optional[dist.ProcessGroup]:
-        """The group carrying messages from this stage to ``stage``."""
-        return self.group if stage > self.index else self.reverse
-
     def connect(self, channels: Iterable[Channel]) -> None:
         """Open the communicator of every pair of stages in ``channels`` now, all ranks in
-        one order, so that no rank meets a first use its peer is not ready for.
-
-        NCCL creates a communicator per (group, pair of ranks) on its first operation, and
-        that blocks until both ranks arrive. Here every rank walks the same sorted list
-        (messages to higher stages, on ``group``, before those to lower stages, on
-        ``reverse``; pairs in order) and exchanges one byte on each of its own pairs,
-        waiting for it, so the first unfinished pair always has both ends ready. Every rank
-        must call it, with the same ``channels``.
-        """
-        links: Dict[Tuple[int, int, int], Channel] = {}
-        for src, dst in sorted(channels):
-            on_reverse = src > dst and self.reverse is not self.group
-            links.setdefault((int(on_reverse), min(src, dst), max(src, dst)), (src, dst))
-        token = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        for _, (src, dst) in sorted(links.items()):
-            if self.index == src:
-                group = self._group_to(dst)
-                self._wait(_started(dist.isend(token, dst=self._global(dst), group=group)))
-            elif self.index == dst:
-                group = self.group if src < dst else self.reverse
-                self._wait(_started(dist.irecv(token, src=self._global(src), group=group)))
+        one order (``seqpipe.distributed.communicators``); every rank calls it alike."""
+        open_pairs(self, channels)
 
     # -- a call's plan -----------------------------------------------------------------
     def begin(self) -> None:
@@ -202,7 +173,7 @@ class Transport:
         self._outgoing[dst].extend(planned)
 
     # -- the wire ----------------------------------------------------------------------
-    def _global(self, stage: int) -> int:
+    def global_rank(self, stage: int) -> int:
         """The global rank of ``stage`` (looked up once per peer: every message asks)."""
         if stage not in self._globals:
             self._globals[stage] = dist.get_global_rank(self.group, stage) \
@@ -210,13 +181,14 @@ class Transport:
         return self._globals[stage]
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
-        work = _started(dist.isend(buffer, dst=self._global(stage), group=self._group_to(stage)))
+        group = self.group if stage > self.index else self.reverse  # one group per direction
+        work = _started(dist.isend(buffer, dst=self.global_rank(stage), group=group))
         self.sent_bytes += buffer.numel()
         self._pending[stage].append((taken_at, work, buffer))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
         group = self.group if stage < self.index else self.reverse
-        return _started(dist.irecv(buffer, src=self._global(stage), group=group))
+        return _started(dist.irecv(buffer, src=self.global_rank(stage), group=group))
 
     def _wait(self, work: dist.Work) -> None:
         if self.timeout is None:
@@ -225,9 +197,8 @@ class Transport:
             work.wait(self.timeout)
 
     def _post_due(self) -> None:
-        """Post the receives put off so far: this rank is about to wait, so they cost the
-        hop nothing. A receive that cannot be posted (a lost peer) stays put off: it is
-        posted, and its failure raised, when its message is needed, naming that peer."""
+        """Post the receives put off so far (this rank is about to wait). One that fails (a
+        lost peer) stays put off, to fail when its message is needed, naming that peer."""
         due, self._due = self._due, {}
         for src in due:
             if src in self._posted or not self._incoming[src]:
