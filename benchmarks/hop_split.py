@@ -25,6 +25,12 @@ direction, in both runtimes). The hop then splits into:
   unpacking, posting the next receive, the runtime up to the layer);
 * ``other waits``: the receiver's time inside waits on other operations between the
   message's wait return and its action start (a send it waits for, another receive).
+
+The step's edges (``split_edges``): the sends and receives the first action's rank issued
+before that action (``head sends``/``head recvs``, counts), and the tail from the last
+action's end: to the last send its rank issued (``tail to last send``: closing messages
+built and sent), from there to the last wait's return on any rank (``tail wire``), and
+from there to the step's end on the last rank (``tail return``).
 """
 from __future__ import annotations
 
@@ -34,13 +40,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["install", "LOG", "split_hop", "HOP_PARTS", "summarize"]
+__all__ = ["install", "LOG", "split_hop", "split_edges", "HOP_PARTS", "EDGE_PARTS",
+           "summarize"]
 
 # one row per point-to-point operation: [kind, peer (global rank), bytes, issued,
 # wait start, wait end]
 Row = List[Any]
 LOG: List[Row] = []
 HOP_PARTS = ("build", "posted late", "wire", "to layer", "other waits")
+EDGE_PARTS = ("head sends", "head recvs", "tail to last send", "tail wire", "tail return")
 
 
 class _TimedWork:
@@ -115,6 +123,23 @@ def split_hop(sender: int, receiver: int, sent_after: float, action_start: float
             "other waits": others,
             "waited before": max(0.0, wait_start - previous_end),
             "bytes": float(send[2])}
+
+
+def split_edges(first: Tuple[int, float], last: Tuple[int, float], end: float,
+                logs: List[List[Row]]) -> Dict[str, float]:
+    """The head's operations and the tail's parts (see the module doc); ``first`` and
+    ``last``: (rank, time) of the first action's start and of the last action's end."""
+    rank, start = first
+    head = [r for r in logs[rank] if r[3] < start]
+    rank, stop = last
+    sends = [r[3] for r in logs[rank] if r[0] == "send" and r[3] >= stop]
+    last_send = max(sends, default=stop)
+    waits = [r[5] for log in logs for r in log if r[5] is not None and r[5] >= last_send]
+    last_wait = max(waits, default=last_send)
+    return {"head sends": float(sum(r[0] == "send" for r in head)),
+            "head recvs": float(sum(r[0] == "recv" for r in head)),
+            "tail to last send": last_send - stop, "tail wire": last_wait - last_send,
+            "tail return": end - last_wait}
 
 
 def summarize(hops: List[Dict[str, float]]) -> Dict[str, float]:

@@ -185,13 +185,21 @@ def critical_path(start: float, end: float, per_rank: List[List[Sleep]],
             parts["head"] += first - start
             key = None
     parts["makespan"] = end - start
+    if logs:
+        last = max(done, key=lambda k: done[k][1])
+        first = min(done, key=lambda k: done[k][0])
+        parts.update(hop_split.split_edges((first[2], done[first][0]), (last[2], done[last][1]),
+                                           end, logs))
     return parts
 
 
 def report(everyone: List[Dict[str, Any]], args: argparse.Namespace) -> List[str]:
     hop_lines = ["| variant | hops split | bytes | " +
-                 " | ".join(f"{p} ms" for p in (*hop_split.HOP_PARTS, "waited before")) + " |",
-                 "|---|---|---|" + "---|" * (len(hop_split.HOP_PARTS) + 1)]
+                 " | ".join(f"{p} ms" for p in (*hop_split.HOP_PARTS, "waited before")) +
+                 " | head sends | head recvs | " +
+                 " | ".join(f"{p} ms" for p in hop_split.EDGE_PARTS[2:]) + " |",
+                 "|---|---|---|" + "---|" * (len(hop_split.HOP_PARTS) + 1 +
+                                             len(hop_split.EDGE_PARTS))]
     lines = ["| variant | simulate ms | makespan ms | / simulate | " +
              " | ".join(f"{p} ms" for p in PARTS) + " | hops on the path | ms per hop |",
              "|---|---|---|---|" + "---|" * len(PARTS) + "---|---|"]
@@ -209,9 +217,13 @@ def report(everyone: List[Dict[str, Any]], args: argparse.Namespace) -> List[str
                  for n in range(len(everyone[0][key]))]
         split = hop_split.summarize(hops)
         if split:
+            edges = {p: statistics.median(s[p] for s in steps) * (1 if p.startswith("head")
+                                                                  else 1e3)
+                     for p in hop_split.EDGE_PARTS}
             hop_lines.append(f"| {key} | {split['count']:.0f} | {split['bytes']:.0f} | " +
                              " | ".join(f"{split[p]:.3f}" for p in (*hop_split.HOP_PARTS,
-                                                                   "waited before")) + " |")
+                                                                   "waited before")) + " | " +
+                             " | ".join(f"{edges[p]:.2f}" for p in hop_split.EDGE_PARTS) + " |")
         med = {p: statistics.median(s[p] for s in steps) for p in (*PARTS, "makespan",
                                                                     "hop count")}
         per_hop = statistics.median(s["hops"] / max(s["hop count"], 1) for s in steps)

@@ -4,8 +4,9 @@
 exchanging their messages; ``CallLifecycle`` wraps a whole ``train_step`` or ``forward``
 around it. It plans the rank's actions and the messages it receives and sends for a call of
 ``m`` micro-batches (once per shape of call), opens the call (the rank of stage 0 cuts the
-batch and announces the micro-batch count with a STEP message, and every rank checks that
-all make the same kind of call), runs the rank's actions in schedule order, and closes the
+batch and announces the micro-batch count with a STEP message, to the ranks its first action
+feeds before that action and to the others after it, and every rank checks that all make
+the same kind of call), runs the rank's actions in schedule order, and closes the
 call on every rank together (the loss from the rank of the last stage, then DONE). A train
 step ends with the reductions: gradients averaged over the data-parallel replicas (and the
 stage's buffers broadcast), then what the step added to the gradients of weights tied

@@ -6,7 +6,8 @@ A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.
 ``Call`` supplies the transport side. Data comes in through ``Transport`` messages
 (between two stages of one rank, in memory); whatever arrives before it is needed waits
 in an inbox. The rank of stage 0 opens every call by telling the others how many
-micro-batches it has cut; the rank of the last stage closes it by sending the loss, and the
+micro-batches it has cut (those its first action sends to before it, the others right after
+it: ``run_actions``); the rank of the last stage closes it by sending the loss, and the
 rank that finishes last sends "done" to every other rank, so a failure anywhere reaches
 every rank: a failing rank sends an ABORT to the ranks that still expect a message from it,
 and a rank waiting on a peer that reports a failure, or dies, raises and passes it on the
