@@ -185,7 +185,7 @@ def critical_path(start: float, end: float, per_rank: List[List[Sleep]],
             parts["head"] += first - start
             key = None
     parts["makespan"] = end - start
-    if logs:
+    if logs and any(logs):
         last = max(done, key=lambda k: done[k][1])
         first = min(done, key=lambda k: done[k][0])
         parts.update(hop_split.split_edges((first[2], done[first][0]), (last[2], done[last][1]),

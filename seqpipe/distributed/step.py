@@ -172,16 +172,10 @@ class Call(Tasks):
         self.inbox[(message.kind, message.microbatch, message.key, message.origin)] = message
 
     def expect(self, src: int, planned: Sequence[Planned]) -> None:
-        """Tell the transport what rank ``src`` will send next; posting a receive from a
-        lost peer fails there and then, and is that peer's failure, as in ``need``."""
-        try:
-            self.transport.expect(src, planned)
-        except PeerError:
-            raise
-        except Exception as exc:
-            raise PeerError(
-                f"{self.name()} lost {self.name(src)} while at {self.action}, posting the "
-                f"receive of its next message: {type(exc).__name__}: {exc}", peer=src) from exc
+        """Tell the transport what rank ``src`` will send next. It posts their receives
+        later (when this rank waits, or needs the message: ``need``, which names a lost
+        peer), so this communicates nothing and cannot fail on a peer."""
+        self.transport.expect(src, planned)
 
     def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
