@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from seqpipe.distributed.plan import (
     OPENING,
     Planned,
-    call_actions,
     channels,
     closer,
     messages,
@@ -182,28 +181,6 @@ def test_a_skip_inside_one_stage_sends_nothing_extra() -> None:
 
 def test_closer() -> None:
     assert closer(3, True) == 0 and closer(3, False) == 2 and closer(2, False) == 1
-
-
-def test_quiet_tails_tell_every_rank_they_are_done() -> None:
-    """Under ``zb_h1`` (K = 4) stages 1 and 2 end with weight gradients, which send nothing:
-    each tells every other rank it is done (not stage 0 alone, which would then have to
-    wait for them before releasing the others: two hops in series at the step's end).
-    Stage 0 tells every rank too, the last stage sends the loss instead, and every DONE is
-    the last message of its channel, sent and taken at the close."""
-    k = 4
-    actions = call_actions(get_schedule("zb_h1"), k, 8, True)
-    dones = [[[p for p in messages(src, dst, actions, no_skips(k), True)
-               if p.kind is Kind.DONE] for dst in range(k)] for src in range(k)]
-    assert [[len(d) for d in row] for row in dones] == [
-        [0, 1, 1, 1], [1, 0, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0]]
-    for src in range(k):
-        for dst in range(k):
-            plan = messages(src, dst, actions, no_skips(k), True)
-            for done in dones[src][dst]:
-                assert plan[-1] == done
-                assert (done.sent_at, done.taken_at) == (len(actions[src]), len(actions[dst]))
-    assert {(s, d) for s in range(k) for d in range(k) if s != d and s < 3} <= channels(
-        actions, no_skips(k), True)  # opened when the pipeline is built
 
 
 # --------------------------------------------------------------------------- properties

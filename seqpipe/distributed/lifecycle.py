@@ -36,7 +36,7 @@ from seqpipe.distributed.agreement import call_kind, check_same_call, opened
 from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
 from seqpipe.distributed.fsdp import ShardedStep
-from seqpipe.distributed.plan import OPENING, Planned, call_actions, messages
+from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
 from seqpipe.distributed.step import Call, LossFn
 from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.traced import end_step
@@ -185,27 +185,31 @@ class CallLifecycle:
     def close(self, call: Call, loss: Optional[Tensor]) -> Optional[Tensor]:
         """End the call on every rank together, so no rank returns while another fails.
 
-        The rank of the last stage sends the loss to everyone; the rank that finishes last
-        (that of stage 0 after a backward, that of the last stage after a forward-only
-        call) sends DONE to all, and so does each rank whose last actions send nothing
-        (``plan.quiet_tail``); then each rank waits for what it is sent. Every rank sends
-        before it waits, so the end of the step is one hop after the last action.
+        The rank of the last stage sends the loss to everyone; then the rank that finishes
+        last (that of stage 0 after a backward, that of the last stage after a
+        forward-only call) sends DONE to all.
         """
-        k = self.num_ranks
+        k, rank_of = self.num_ranks, self.placement.rank_of
         plan = self.plans[(call.microbatches, call.grad)]
-        last = self.placement.rank_of(self.num_stages - 1)
+        last = rank_of(self.num_stages - 1)
+        finisher = rank_of(closer(self.num_stages, call.grad))
         if call.grad and k > 1 and self.rank == last:
             for r in range(k):
                 if r != last:
                     call.send(r, Kind.LOSS, -1, [loss])
-        for r, planned in plan.outgoing.items():
-            if any(p.kind is Kind.DONE for p in planned):
-                call.send(r, Kind.DONE, -1, [])
+        if any(p.kind is Kind.DONE for p in plan.outgoing.get(finisher, [])):
+            call.send(finisher, Kind.DONE, -1, [])  # after a quiet tail (see plan.quiet_tail)
         if call.grad and k > 1 and self.rank != last:
             loss = call.need(last, Kind.LOSS).tensors[0]
-        for r, planned in plan.incoming.items():
-            if any(p.kind is Kind.DONE for p in planned):
-                call.need(r, Kind.DONE)
+        if self.rank == finisher:
+            for r, planned in plan.incoming.items():
+                if any(p.kind is Kind.DONE for p in planned):
+                    call.need(r, Kind.DONE)
+            for r in range(k):
+                if r != finisher:
+                    call.send(r, Kind.DONE, -1, [])
+        else:
+            call.need(finisher, Kind.DONE)
         call.flush()
         return loss
 

@@ -21,8 +21,7 @@ order, to the ranks of the stages that pop them) and then the activation (to the
 stage ``s+1``); for each ``B(s, i)`` or ``I(s, i)`` (a ``W`` sends nothing), the input
 gradient (to the rank of stage ``s-1``) and then the skip gradients (in layout order); and
 at the close, the loss from the rank of the last stage and ``DONE`` from the rank that
-finishes last, and from each rank whose last actions send nothing (``quiet_tail``), to every
-rank.
+finishes last.
 
 The pairs of ranks that exchange messages at all (``channels``) are the only ones a
 pipeline ever talks over: it opens their communicators when it is built (NCCL creates one
@@ -136,8 +135,9 @@ def messages(src: int, dst: int, actions: Sequence[Sequence[Action]], layout: Sk
     finisher = rank(closer(where.num_stages, grad))
     if grad and src == rank(last):
         out.append(Planned(Kind.LOSS, -1, -1, sent_at, taken_at))
-    elif grad and src != finisher and quiet_tail(_staged(actions[src], src), where, layout):
-        out.append(Planned(Kind.DONE, -1, -1, sent_at, taken_at))  # "done here too", to all
+    elif grad and dst == finisher != src and quiet_tail(_staged(actions[src], src), where,
+                                                        layout):
+        out.append(Planned(Kind.DONE, -1, -1, sent_at, taken_at))  # "done here too"
     if src == finisher:
         out.append(Planned(Kind.DONE, -1, -1, sent_at, taken_at))
     return out
@@ -159,9 +159,7 @@ def _sends(action: Action, src: int, placement: Placement, layout: SkipLayout) -
 def quiet_tail(actions: Sequence[Action], placement: Placement, layout: SkipLayout) -> bool:
     """Whether a rank runs actions after its last message to another rank (weight
     gradients at the end of a zero-bubble schedule): nobody would wait on it there, so
-    it tells every rank it is done, and a failure there still reaches everyone. (Every
-    rank, not only the finishing one: that one then need not wait for it before releasing
-    the others, which would put two hops in series at the step's end.)"""
+    it tells the finishing rank it is done, and a failure there still reaches everyone."""
     src = placement.rank_of(actions[0].stage) if actions else 0  # type: ignore[arg-type]
     sending = [n for n, a in enumerate(actions) if _sends(a, src, placement, layout)]
     return not sending or sending[-1] < len(actions) - 1

@@ -12,7 +12,7 @@ rank that finishes last sends "done" to every other rank, so a failure anywhere 
 every rank: a failing rank sends an ABORT to the ranks that still expect a message from it,
 and a rank waiting on a peer that reports a failure, or dies, raises and passes it on the
 same way (``Transport.abort``). A rank whose last actions send nothing (weight gradients at
-the end of a zero-bubble schedule) reports "done" to every rank, so that a failure
+the end of a zero-bubble schedule) reports "done" to the finishing rank, so that a failure
 there is still heard.
 
 The order in which a call sends its messages is the one ``seqpipe.distributed.plan``
