@@ -292,6 +292,7 @@ class Call(Tasks):
                 run(n, action)
                 if n == 0 and self.openings is not None and self.openings[1]:
                     self.open_to(self.openings[1])  # the ranks not told before (``open``)
+                self.transport.post_due()  # after its sends: the next data flows meanwhile
             except Exception as exc:
                 self._failed(exc, describe(action), action.stage)
                 raise
