@@ -70,6 +70,28 @@ def _vector_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).square()  # not reduced: a vector
 
 
+def _first_forward_fails(rank: int, world: int) -> None:
+    """Stage 0 fails in its first forward, before it told stage 2 that a step starts (it
+    tells only stage 1, which its first forward feeds, before that forward): stage 2 hears
+    of it in place of that message, and stage 1 while waiting for the activation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Boom(1), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    pipe = DistributedPipe(model, chunks=4, balance=[1, 2, 1], schedule="1f1b",
+                           checkpoint="never", group=dist.new_group(list(range(world))))
+    with pytest.raises(Exception) as info:
+        _step(pipe, rank, world)
+    exc, failure = info.value, "stage 0 failed in the forward of micro-batch 0"
+    if rank == 0:
+        assert isinstance(exc, ZeroDivisionError) and failure in " ".join(exc.__notes__)
+    else:
+        assert isinstance(exc, PeerError) and failure in str(exc), repr(exc)
+        waiting = ("stage 1 was at forward of micro-batch 0 on stage 1, waiting for the "
+                   "activation from stage 0" if rank == 1 else
+                   "stage 2 was at start of the step, waiting for the start of the step "
+                   "from stage 0")
+        assert waiting in str(exc), str(exc)
+
+
 def _injected(rank: int, world: int) -> None:
     # Each scenario runs on a fresh process group, so nothing left over from a failed
     # step (an abort nobody read) can reach the next one.
@@ -79,6 +101,7 @@ def _injected(rank: int, world: int) -> None:
             with pytest.raises(Exception) as info:
                 _step(pipe, rank, world)
             _check_injected(info.value, rank, "backward" if in_backward else "forward")
+    _first_forward_fails(rank, world)
     pipe = _pipe(nn.Linear(4, 4), "1f1b", dist.new_group(list(range(world))))
     with pytest.raises(Exception) as info:
         _step(pipe, rank, world, _vector_loss)
