@@ -187,17 +187,21 @@ class _Boundary:
     incoming: Optional[Tuple[Optional[Tensor], ...]] = None  # set by ``I``'s pre-hook
 
     def run(self, wanted: List[Tuple[int, GradientEdge, List[Tensor]]], direct: bool,
-            backprop: Callable[..., None]) -> None:
+            backprop: Callable[..., None], saved: Optional[SavedTensors]) -> None:
         """Backpropagate the kept gradients through the edges ``wanted`` (output index,
         edge, the leaves behind it to accumulate into): with ``direct``, by calling the
-        node inside a graph task that needs those edges only (``_within_task``)."""
-        assert self.incoming is not None
+        node inside a graph task that needs those edges only (``_within_task``), then
+        freeing what it saved (the engine frees what the nodes it runs saved)."""
+        incoming, self.incoming = self.incoming, None  # freed as soon as it is used
+        assert incoming is not None
         if not direct:  # the engine runs the node (and hooks on its output again)
-            backprop([GradientEdge(self.node, k) for k, g in enumerate(self.incoming)
-                      if g is not None], [g for g in self.incoming if g is not None],
+            backprop([GradientEdge(self.node, k) for k, g in enumerate(incoming)
+                      if g is not None], [g for g in incoming if g is not None],
                      [t for _, _, targets in wanted for t in targets])
             return
-        out = self.node(*self.incoming)  # the outputs the current graph task needs only
+        out = self.node(*incoming)  # the outputs the current graph task needs only
+        if saved is not None:
+            saved.release([self.node], ())
         pairs = [(edge, out[k], targets) for k, edge, targets in wanted if out[k] is not None]
         if pairs:
             backprop([e for e, _, _ in pairs], [g for _, g, _ in pairs],
@@ -304,7 +308,7 @@ class SplitBackward:
             if here:
                 called += [edge for _, edge, _ in wanted]
             runs.append((max(order[id(t)] for _, _, targets in wanted for t in targets),
-                         partial(b.run, wanted, here, backprop)))
+                         partial(b.run, wanted, here, backprop, self.saved)))
         runs.sort(key=lambda run: -run[0])
 
         def work() -> None:
