@@ -57,6 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
+from torch.autograd.variable import Variable
 from torch.overrides import has_torch_function
 
 from seqpipe.core.saved import SavedTensors
@@ -147,12 +148,17 @@ def autograd_inputs(tensors: List[Tensor]) -> List[Any]:
 
 
 def _backprop(roots: Sequence[GradientEdge], grads: Sequence[Tensor], inputs: Sequence[Any],
-              keep: bool = False) -> None:
+              keep: bool = False, nested: bool = False) -> None:
     """``torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=keep)`` without
     its Python layer (tuple packing and per-root shape checks: our roots' gradients come
-    from autograd itself, and the engine checks them again), ~20 us a call."""
-    _engine_run_backward(tuple(roots), tuple(grads), keep, False, tuple(inputs),
-                         allow_unreachable=True, accumulate_grad=True)
+    from autograd itself, and the engine checks them again), ~20 us a call. ``nested``: a
+    call from inside a running backward goes straight to the engine, as torch's own
+    wrapper would, at its end, drop what the running call put in thread-local state."""
+    args = (tuple(roots), tuple(grads), keep, False, tuple(inputs))
+    if nested:
+        Variable._execution_engine.run_backward(*args, True, True)  # type: ignore[attr-defined]
+    else:
+        _engine_run_backward(*args, allow_unreachable=True, accumulate_grad=True)
 
 
 class _WithinTask(torch.autograd.Function):
@@ -290,7 +296,8 @@ class SplitBackward:
 
         def backprop(roots: Sequence[GradientEdge], grads: Sequence[Tensor],
                      targets: Sequence[Tensor]) -> None:
-            _backprop(roots, grads, autograd_inputs(sorted(targets, key=lambda t: order[id(t)])))
+            _backprop(roots, grads, autograd_inputs(sorted(targets, key=lambda t: order[id(t)])),
+                      nested=bool(called))
 
         for root, grad, behind in off_path:
             targets = [t for t in behind if id(t) in order]
