@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import pin_malloc  # noqa: E402
 from dist_transformer_vs_torch import loss_fn, make_gpt  # noqa: E402 - the same model
 
 from seqpipe.core.microbatch import Batch  # noqa: E402
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8, help="of the whole model (2 stages)")
     parser.add_argument("--profile", action="store_true", help="cProfile the split too")
     args = parser.parse_args()
+    pin_malloc()  # as dist_transformer_vs_torch.py: no page faults from malloc's adaptive mmap
     torch.set_num_threads(1)
     stage = _last_stage(args.blocks)
     x, y = torch.randn(4, 64, 128), torch.randint(512, (4, 64))

@@ -73,7 +73,9 @@ class _Graph:
     """What one walk over a micro-batch's graph finds."""
 
     edges: Dict[Node, Edges]  # every node reachable from the roots, and its edges
-    path: Dict[Node, None]  # those that reach the input node (a dict: the walk's order)
+    # Those that reach the input node, each with the indices of its edges that leave the
+    # path (a dict: it iterates in the walk's order, the same on every replica).
+    path: Dict[Node, List[int]]
     shared: bool  # a node off the path has several parents
 
 
@@ -81,14 +83,21 @@ def _survey(roots: Sequence[Node], target: Node) -> _Graph:
     """Walk the graph below ``roots`` once, reading each node's edges once (iteratively:
     a deep model's graph would overflow Python's recursion)."""
     edges: Dict[Node, Edges] = {}
-    path: Dict[Node, None] = {}
+    path: Dict[Node, List[int]] = {}
     parents: Dict[Node, int] = {}
     stack: List[Tuple[Node, bool]] = [(root, False) for root in roots]
     while stack:
         node, expanded = stack.pop()
         if expanded:  # its children are done (a DAG: none is still open below this node)
-            if node is target or any(c in path for c, _ in edges[node] if c is not None):
-                path[node] = None
+            on, off = node is target, []
+            for k, (child, _) in enumerate(edges[node]):
+                if child is not None:
+                    if child in path:
+                        on = True
+                    else:
+                        off.append(k)
+            if on:
+                path[node] = off
             continue
         if node in edges:
             continue
@@ -191,9 +200,10 @@ class _Boundary:
     node: Node
     off: List[Tuple[int, GradientEdge, List[Tensor]]]  # (output index, edge, leaves behind)
     incoming: Optional[Tuple[Optional[Tensor], ...]] = None  # set by ``I``'s pre-hook
+    held: List[Any] = field(default_factory=list)  # what it saved (``SavedTensors``)
 
     def run(self, wanted: List[Tuple[int, GradientEdge, List[Tensor]]], direct: bool,
-            backprop: Callable[..., None], saved: Optional[SavedTensors]) -> None:
+            backprop: Callable[..., None]) -> None:
         """Backpropagate the kept gradients through the edges ``wanted`` (output index,
         edge, the leaves behind it to accumulate into): with ``direct``, by calling the
         node inside a graph task that needs those edges only (``_within_task``), then
@@ -204,10 +214,10 @@ class _Boundary:
             backprop([GradientEdge(self.node, k) for k, g in enumerate(incoming)
                       if g is not None], [g for g in incoming if g is not None],
                      [t for _, _, targets in wanted for t in targets])
+            SavedTensors.free(self.held)
             return
         out = self.node(*incoming)  # the outputs the current graph task needs only
-        if saved is not None:
-            saved.release([self.node], ())
+        SavedTensors.free(self.held)
         pairs = [(edge, out[k], targets) for k, edge, targets in wanted if out[k] is not None]
         if pairs:
             backprop([e for e, _, _ in pairs], [g for _, g, _ in pairs],
@@ -241,24 +251,18 @@ class SplitBackward:
         if self.whole:
             return self._input_only()
         path, edges = graph.path, graph.edges
-        weight_path: List[Node] = []
         for root, grad in zip(self.roots, self.grads):
             if root.node not in path:
-                below = _below([root.node], edges)
-                self.off_path.append((root, grad, _leaves(below)))
-                weight_path += below
-        for node in path:
-            if node is self.input_node:
+                self.off_path.append((root, grad, _leaves(_below([root.node], edges))))
+        only_input: List[Node] = []  # path nodes that W does not run again
+        for node, leaving in path.items():
+            if not leaving or node is self.input_node:
+                only_input.append(node)
                 continue
-            off = []
-            for k, (child, nr) in enumerate(edges[node]):
-                if child is not None and child not in path:
-                    below = _below([child], edges)
-                    off.append((k, GradientEdge(child, nr), _leaves(below)))
-                    weight_path += below
-            if off:
-                self.boundary.append(_Boundary(node, off))
-                weight_path.append(node)
+            nexts = edges[node]
+            self.boundary.append(_Boundary(node, [
+                (k, GradientEdge(*nexts[k]), _leaves(_below([nexts[k][0]], edges)))
+                for k in leaving]))
         handles = [b.node.register_prehook(partial(setattr, b, "incoming"))
                    for b in self.boundary]
         try:
@@ -267,10 +271,13 @@ class SplitBackward:
             for handle in handles:
                 handle.remove()
         # W starts from the kept gradients: drop the roots, their gradients, and what only
-        # the input path saved (a ReLU's output, the loss's input), keeping W's tensors.
+        # the input path saved (a ReLU's output, the loss's input). What the boundary nodes
+        # saved is freed once W has run each of them; the weight path below frees itself.
         self.roots, self.grads = [], []
         if self.saved is not None:
-            self.saved.release(path, weight_path)
+            self.saved.release(only_input, ())
+            for b in self.boundary:
+                b.held = self.saved.holders_of(b.node)
 
     def _input_only(self) -> None:
         _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
@@ -315,7 +322,7 @@ class SplitBackward:
             if here:
                 called += [edge for _, edge, _ in wanted]
             runs.append((max(order[id(t)] for _, _, targets in wanted for t in targets),
-                         partial(b.run, wanted, here, backprop, self.saved)))
+                         partial(b.run, wanted, here, backprop)))
         runs.sort(key=lambda run: -run[0])
 
         def work() -> None:
