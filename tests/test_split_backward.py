@@ -17,25 +17,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from op_count import OpCount
 from seqpipe.core.entry import enter
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.split_backward import SplitBackward
 
 DTYPE = torch.float64
-
-
-class _Count(TorchDispatchMode):
-    """Counts the aten operations that run inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _split(model: nn.Module, x: Tensor, grad: Tensor) -> Tuple[Tensor, List[Tensor], Counter,
@@ -49,10 +37,10 @@ def _split(model: nn.Module, x: Tensor, grad: Tensor) -> Tuple[Tensor, List[Tens
         out = model(incoming[0])
     split = SplitBackward([get_gradient_edge(out)], [grad], entry.phony, entry.node,
                           saved=saved)
-    with _Count() as i_ops:
+    with OpCount() as i_ops:
         split.input()
     params = list(model.parameters())
-    with _Count() as w_ops:
+    with OpCount() as w_ops:
         split.weight(params)
     grads = entry.grads(1)[0]
     assert grads is not None
@@ -63,7 +51,7 @@ def _plain(model: nn.Module, x: Tensor, grad: Tensor) -> Tuple[Tensor, List[Tens
     model.zero_grad(set_to_none=True)
     given = x.clone().requires_grad_()
     out = model(given)
-    with _Count() as ops:
+    with OpCount() as ops:
         torch.autograd.backward(out, grad)
     assert given.grad is not None
     return given.grad, [p.grad for p in model.parameters()], ops.counts  # type: ignore[misc]
