@@ -188,9 +188,9 @@ class _WithinTask(torch.autograd.Function):
 
 def _within_task(targets: Sequence[GradientEdge], work: Callable[[], None]) -> None:
     """Run ``work`` inside a graph task whose targets are ``targets`` (and nothing else)."""
-    anchor = torch.zeros((), requires_grad=True)
-    _backprop([get_gradient_edge(_WithinTask.apply(anchor, work))], [torch.ones(())],
-              [*targets, anchor])
+    anchor = torch.zeros((), device="cpu", requires_grad=True)  # run on the calling thread
+    _backprop([get_gradient_edge(_WithinTask.apply(anchor, work))],
+              [torch.ones((), device="cpu")], [*targets, anchor])
 
 
 @dataclass
