@@ -38,9 +38,15 @@ graph task, two walks over every node reachable from its roots) and Python. So:
   nodes, ~2,500 node visits per ``W`` instead of ~100). One call for all of ``W`` is not
   exact: a boundary node upstream reaches a later one's parameters through ``P``, so
   autograd would run ``P`` again and count the later node's gradient twice.
-  A boundary node that is a custom ``autograd.Function``, or any under anomaly detection,
+  A boundary node that is a custom ``autograd.Function``, any under anomaly detection, and
+  every one of a stage whose backward must run hooks on its outputs in ``W`` too
+  (``weight(call=False)``: FSDP2's pre-backward hook queues, per backward, the move of the
+  unsharded gradients into its accumulator, in float32 under a bfloat16 parameter dtype),
   is instead run by the engine from its kept gradients (as ``I`` ran it: hooks on its
-  output tensor then run again in ``W``).
+  output tensor then run again in ``W``). A called node runs on the calling thread's
+  current stream, where the engine would run it on the stream of its forward: the same
+  one here, as both engines run a stage's forward and backward on the caller's current
+  stream (``seqpipe.core.stream``).
 
 Right after ``I``, what only ``P`` needed is freed (``seqpipe.core.saved``): the saved tensors of
 the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
@@ -282,11 +288,13 @@ class SplitBackward:
     def _input_only(self) -> None:
         _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
 
-    def weight(self, wrt: Sequence[Tensor]) -> None:
+    def weight(self, wrt: Sequence[Tensor], *, call: bool = True) -> None:
         """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph.
 
         The boundary nodes run in a fixed order: the one whose parameters come last in
-        ``wrt`` first (see the module's docstring for how each runs).
+        ``wrt`` first (see the module's docstring for how each runs). ``call=False``:
+        the engine runs every boundary node again, so that hooks on their outputs run
+        in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
         """
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and wrt:
@@ -311,7 +319,7 @@ class SplitBackward:
             if targets:
                 runs.append((max(order[id(t)] for t in targets),
                              partial(backprop, [root], [grad], targets)))
-        direct = not torch.is_anomaly_enabled()
+        direct = call and not torch.is_anomaly_enabled()
         called: List[GradientEdge] = []  # what the nodes called directly must compute
         for b in boundary:
             wanted = [(k, edge, targets) for k, edge, behind in b.off

@@ -365,10 +365,11 @@ class Stage:
         assert state.split is not None, "backward_weight before backward_input"
         split, state.split = state.split, None
         weights = self._weights(sink)
+        call = self.leaves is None  # FSDP2: hooks that W must run (SplitBackward.weight)
         with self._backpropagating(state):
-            split.weight(weights)
+            split.weight(weights, call=call)
         if state.head is not None and state.head.split is not None:
-            state.head.split.weight(weights)  # parameters that loss_fn itself used, if any
+            state.head.split.weight(weights, call=call)  # params loss_fn itself used
 
     @staticmethod
     def _pairs(state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
