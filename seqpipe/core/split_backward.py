@@ -288,17 +288,20 @@ class SplitBackward:
     def _input_only(self) -> None:
         _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
 
-    def weight(self, wrt: Sequence[Tensor], *, call: bool = True) -> None:
+    def weight(self, wrt: Sequence[Tensor], *, call: bool = True, plain: bool = False) -> None:
         """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph.
 
         The boundary nodes run in a fixed order: the one whose parameters come last in
         ``wrt`` first (see the module's docstring for how each runs). ``call=False``:
         the engine runs every boundary node again, so that hooks on their outputs run
         in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
+        ``plain``: a stage without an input path backpropagates as the plain model does,
+        into every leaf (``Stage.backward``'s plain form), without ``inputs=``.
         """
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and wrt:
-                _backprop(self.roots, self.grads, autograd_inputs(list(wrt)))
+                plain = plain and self.wrt_input is None
+                _backprop(self.roots, self.grads, () if plain else autograd_inputs(list(wrt)))
             return
         order = {id(t): n for n, t in enumerate(wrt)}
         boundary, self.boundary = self.boundary, []
