@@ -20,8 +20,11 @@ from torch.autograd.graph import get_gradient_edge
 
 from op_count import OpCount
 from seqpipe.core.entry import enter
+from seqpipe.core.microbatch import Batch
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.split_backward import SplitBackward
+from seqpipe.core.stage import Received, Stage
+from seqpipe.skip.layout import inspect_skip_layout
 
 DTYPE = torch.float64
 
@@ -174,3 +177,27 @@ def test_a_hook_on_a_boundary_output_changes_the_gradient_once() -> None:
     _, plain, _ = _plain(model, x, grad)
     for mine, expected in zip(dparams, plain):
         torch.testing.assert_close(mine, expected)
+
+
+def test_a_stage_without_an_input_path_records_nothing_to_free() -> None:
+    """Stage 0 of a model fed token ids: its input wants no gradient, so its ``I`` is empty
+    and its ``W`` is the whole backward. Its split forward keeps no saved-tensor holders
+    (nothing would be freed early: they were pure cost), and the gradients are a plain
+    backward's."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.Tanh()).to(DTYPE)
+    stage = Stage(0, model, torch.device("cpu"),
+                  inspect_skip_layout(nn.Sequential(*model, nn.Identity()), [3, 1]))
+    tokens = torch.randint(10, (4, 3))
+    _, state = stage.forward(Received(Batch((tokens,), True), {}, (False,)), grad=True,
+                             split=True)
+    assert state is not None and state.saved is None
+    grad = torch.randn(4, 3, 6, dtype=DTYPE)
+    stage.backward_input(state, [grad], {})
+    assert all(p.grad is None for p in model.parameters()), "I must not reach the weights"
+    stage.backward_weight(state)
+    split = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    torch.autograd.backward(model(tokens), grad)
+    for mine, plain in zip(split, model.parameters()):
+        torch.testing.assert_close(mine, plain.grad)
