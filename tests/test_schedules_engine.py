@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed_harness import Failures, run_workers
+from op_count import OpCount
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.stage import Received, Stage
@@ -467,18 +467,6 @@ def test_split_backward_keeps_no_more_than_its_schedule_says(world: int, tmp_pat
 # --------------------------------------------------------------------------- one stage
 
 
-class _Count(TorchDispatchMode):
-    """Counts the aten operations that run inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _one_stage(model: nn.Sequential) -> Stage:
     layout = inspect_skip_layout(nn.Sequential(nn.Identity(), *model), [1, len(model)])
     return Stage(1, model, torch.device("cpu"), layout)
@@ -491,7 +479,7 @@ def _backward(stage: Stage, x: Tensor, g: Tensor, how: str) -> Tuple[Tensor, Cou
     _, state = stage.forward(received, grad=True, split=how != "B",
                              checkpoint=how == "checkpointed")
     assert state is not None
-    with _Count() as count:
+    with OpCount() as count:
         if how == "B":
             grads = stage.backward(state, [g], {})
         else:

@@ -150,6 +150,19 @@ class SavedTensors:
     def release(self, ran: Iterable[Node], kept: Iterable[Node]) -> None:
         """Free what the nodes ``ran`` saved, except what the nodes ``kept`` still need."""
         needed = self._holders(kept)
-        for key, held in self._holders(ran).items():
-            if key not in needed:
-                held.value = None
+        self.free(held for key, held in self._holders(ran).items() if key not in needed)
+
+    def holders_of(self, node: Node) -> List[_Held]:
+        """What ``node`` saved, to ``free`` once it has run for the last time (a node that
+        a split backward's ``W`` calls itself: autograd frees only what the nodes its
+        engine runs saved). Each saved tensor has a holder of its own, so no other node
+        reads these."""
+        if _READABLE:
+            return [p for p in _packed(node) if isinstance(p, _Held)]
+        return list(self._holders((node,)).values())
+
+    @staticmethod
+    def free(holders: Iterable[_Held]) -> None:
+        """Drop the tensors in ``holders``; reading one again raises."""
+        for held in holders:
+            held.value = None

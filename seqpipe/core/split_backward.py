@@ -15,12 +15,38 @@ public graph API):
 
 ``I`` backpropagates from the stage's outputs to its input only (``inputs=``), so autograd
 computes nothing off ``P``, while pre-hooks on the boundary nodes keep their incoming
-gradients. ``W`` then backpropagates from each boundary node, with those gradients, into
-the parameters behind its edges leaving ``P`` only (``inputs=``), so autograd computes
-those edges alone; each parameter is reached once, so its hooks fire once. Every
-operation runs once, as in one backward: the gradients are those of a full backward.
-A root off ``P`` (an output computed from parameters only) is all weight path: ``W``
-backpropagates it with its gradient.
+gradients. ``W`` then runs each boundary node again on those gradients, computing only
+its edges off ``P``, and backpropagates what they yield into the parameters behind them;
+each parameter is reached once, so its hooks fire once. Every operation runs once, as in
+one backward: the gradients are those of a full backward. A root off ``P`` (an output
+computed from parameters only) is all weight path: ``W`` backpropagates it with its
+gradient.
+
+What a split costs beyond one backward is mostly per *call into autograd's engine* (a
+graph task, two walks over every node reachable from its roots) and Python. So:
+
+* ``I`` walks the graph once in Python (``_survey``: the path, every node's edges, shared
+  nodes) and calls the engine once;
+* ``W`` makes one engine call, ``_WithinTask``, whose only targets are the boundary nodes'
+  edges off ``P``. Inside it each boundary node is *called* (``node(*grads)``): a node
+  computes only the outputs whose next node the current graph task needs, so it computes
+  its edges off ``P`` and not its input gradient (autograd's own rule,
+  ``task_should_compute_output``). What those edges yield is backpropagated into the
+  parameters behind them, one boundary node at a time, from inside that call: each such
+  engine call walks the few nodes of one weight path, not the whole graph below the
+  boundary node as a call rooted at the node would (a transformer stage: 26 boundary
+  nodes, ~2,500 node visits per ``W`` instead of ~100). One call for all of ``W`` is not
+  exact: a boundary node upstream reaches a later one's parameters through ``P``, so
+  autograd would run ``P`` again and count the later node's gradient twice.
+  A boundary node that is a custom ``autograd.Function``, any under anomaly detection, and
+  every one of a stage whose backward must run hooks on its outputs in ``W`` too
+  (``weight(call=False)``: FSDP2's pre-backward hook queues, per backward, the move of the
+  unsharded gradients into its accumulator, in float32 under a bfloat16 parameter dtype),
+  is instead run by the engine from its kept gradients (as ``I`` ran it: hooks on its
+  output tensor then run again in ``W``). A called node runs on the calling thread's
+  current stream, where the engine would run it on the stream of its forward: the same
+  one here, as both engines run a stage's forward and backward on the caller's current
+  stream (``seqpipe.core.stream``).
 
 Right after ``I``, what only ``P`` needed is freed (``seqpipe.core.saved``): the saved tensors of
 the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
@@ -30,13 +56,14 @@ counts on.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
+from torch.autograd.variable import Variable
 from torch.overrides import has_torch_function
 
 from seqpipe.core.saved import SavedTensors
@@ -44,30 +71,67 @@ from seqpipe.core.saved import SavedTensors
 __all__ = ["SplitBackward", "autograd_inputs", "reachable"]
 
 Node = Any  # torch.autograd.graph.Node
+Edges = Tuple[Tuple[Optional[Node], int], ...]  # a node's ``next_functions``
 
 
-def _walk(roots: Sequence[Node], target: Node) -> Dict[Node, bool]:
-    """Every node reachable from ``roots``, and whether ``target`` is reachable from it
-    (iteratively: a deep model's graph would overflow Python's recursion)."""
-    reaches: Dict[Node, bool] = {}
-    for root in roots:
-        stack: List[Tuple[Node, bool]] = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in reaches:
-                continue
-            children = [c for c, _ in node.next_functions if c is not None]
-            if expanded:
-                reaches[node] = node is target or any(reaches[c] for c in children)
-                continue
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if c not in reaches)
-    return reaches
+@dataclass
+class _Graph:
+    """What one walk over a micro-batch's graph finds."""
+
+    edges: Dict[Node, Edges]  # every node reachable from the roots, and its edges
+    # Those that reach the input node, each with the indices of its edges that leave the
+    # path (a dict: it iterates in the walk's order, the same on every replica).
+    path: Dict[Node, List[int]]
+    shared: bool  # a node off the path has several parents
+
+
+def _survey(roots: Sequence[Node], target: Node) -> _Graph:
+    """Walk the graph below ``roots`` once, reading each node's edges once (iteratively:
+    a deep model's graph would overflow Python's recursion)."""
+    edges: Dict[Node, Edges] = {}
+    path: Dict[Node, List[int]] = {}
+    parents: Dict[Node, int] = {}
+    stack: List[Tuple[Node, bool]] = [(root, False) for root in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:  # its children are done (a DAG: none is still open below this node)
+            on, off = node is target, []
+            for k, (child, _) in enumerate(edges[node]):
+                if child is not None:
+                    if child in path:
+                        on = True
+                    else:
+                        off.append(k)
+            if on:
+                path[node] = off
+            continue
+        if node in edges:
+            continue
+        nexts = edges[node] = node.next_functions
+        stack.append((node, True))
+        for child, _ in nexts:
+            if child is not None:
+                parents[child] = parents.get(child, 0) + 1
+                if child not in edges:
+                    stack.append((child, False))
+    shared = any(n > 1 and child not in path for child, n in parents.items())
+    return _Graph(edges, path, shared)
+
+
+def _below(starts: Sequence[Node], edges: Dict[Node, Edges]) -> List[Node]:
+    """The nodes reachable from ``starts`` (``starts`` included), read from ``edges``."""
+    seen: Dict[Node, None] = {}
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen[node] = None
+            stack.extend(c for c, _ in edges[node] if c is not None)
+    return list(seen)
 
 
 def reachable(edges: Sequence[GradientEdge]) -> List[Node]:
-    """Every node reachable through ``edges`` (the weight path behind a boundary node; a
-    stage's whole graph from its roots)."""
+    """Every node reachable through ``edges`` (a stage's whole graph from its roots)."""
     seen: Dict[Node, None] = {}
     stack = [e.node for e in edges]
     while stack:
@@ -97,6 +161,75 @@ def autograd_inputs(tensors: List[Tensor]) -> List[Any]:
         return [get_gradient_edge(t) for t in tensors]
     return tensors
 
+
+def _backprop(roots: Sequence[GradientEdge], grads: Sequence[Tensor], inputs: Sequence[Any],
+              keep: bool = False, nested: bool = False) -> None:
+    """``torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=keep)`` without
+    its Python layer (tuple packing and per-root shape checks: our roots' gradients come
+    from autograd itself, and the engine checks them again), ~20 us a call. ``nested``: a
+    call from inside a running backward goes straight to the engine, as torch's own
+    wrapper would, at its end, drop what the running call put in thread-local state."""
+    args = (tuple(roots), tuple(grads), keep, False, tuple(inputs))
+    if nested:
+        Variable._execution_engine.run_backward(*args, True, True)  # type: ignore[attr-defined]
+    else:
+        _engine_run_backward(*args, allow_unreachable=True, accumulate_grad=True)
+
+
+class _WithinTask(torch.autograd.Function):
+    """A node whose backward runs ``work`` inside the graph task of the engine call that
+    reaches it, so that nodes called by ``work`` compute only what that task needs."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, work: Callable[[], None]) -> Tensor:  # type: ignore[override]
+        ctx.work = work
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:  # type: ignore[override]
+        work, ctx.work = ctx.work, None
+        work()
+        return None, None
+
+
+def _within_task(targets: Sequence[GradientEdge], work: Callable[[], None]) -> None:
+    """Run ``work`` inside a graph task whose targets are ``targets`` (and nothing else)."""
+    anchor = torch.zeros((), device="cpu", requires_grad=True)  # run on the calling thread
+    _backprop([get_gradient_edge(_WithinTask.apply(anchor, work))],
+              [torch.ones((), device="cpu")], [*targets, anchor])
+
+
+@dataclass
+class _Boundary:
+    """A boundary node: its kept incoming gradients and its edges off the input path."""
+
+    node: Node
+    off: List[Tuple[int, GradientEdge, List[Tensor]]]  # (output index, edge, leaves behind)
+    incoming: Optional[Tuple[Optional[Tensor], ...]] = None  # set by ``I``'s pre-hook
+    held: List[Any] = field(default_factory=list)  # what it saved (``SavedTensors``)
+
+    def run(self, wanted: List[Tuple[int, GradientEdge, List[Tensor]]], direct: bool,
+            backprop: Callable[..., None]) -> None:
+        """Backpropagate the kept gradients through the edges ``wanted`` (output index,
+        edge, the leaves behind it to accumulate into): with ``direct``, by calling the
+        node inside a graph task that needs those edges only (``_within_task``), then
+        freeing what it saved (the engine frees what the nodes it runs saved)."""
+        incoming, self.incoming = self.incoming, None  # freed as soon as it is used
+        assert incoming is not None
+        if not direct:  # the engine runs the node (and hooks on its output again)
+            backprop([GradientEdge(self.node, k) for k, g in enumerate(incoming)
+                      if g is not None], [g for g in incoming if g is not None],
+                     [t for _, _, targets in wanted for t in targets])
+            SavedTensors.free(self.held)
+            return
+        out = self.node(*incoming)  # the outputs the current graph task needs only
+        SavedTensors.free(self.held)
+        pairs = [(edge, out[k], targets) for k, edge, targets in wanted if out[k] is not None]
+        if pairs:
+            backprop([e for e, _, _ in pairs], [g for _, g, _ in pairs],
+                     [t for _, _, targets in pairs for t in targets])
+
+
 @dataclass
 class SplitBackward:
     """One micro-batch's backward on one stage, run as ``input()`` then ``weight()``."""
@@ -105,10 +238,9 @@ class SplitBackward:
     grads: List[Tensor]
     wrt_input: Optional[Tensor]  # the leaf behind the stage's input node; None: no input path
     input_node: Optional[Node]
-    captured: Dict[Node, Tuple[Optional[Tensor], ...]] = field(default_factory=dict)
-    leaves: Dict[Node, List[Tensor]] = field(default_factory=dict)  # behind each boundary
     whole: bool = False  # W reruns the whole backward (a node shared off the input path)
     saved: Optional[SavedTensors] = None  # what the forward saved: freed after I but W's
+    boundary: List[_Boundary] = field(default_factory=list)  # in the walk's order
     # Roots off the input path (an output computed from parameters only): W's alone.
     off_path: List[Tuple[GradientEdge, Tensor, List[Tensor]]] = field(default_factory=list)
 
@@ -116,85 +248,98 @@ class SplitBackward:
         """Backpropagate to the stage input only, keeping what ``weight`` needs."""
         if self.wrt_input is None or self.input_node is None or not self.roots:
             return
-        reaches = _walk([r.node for r in self.roots], self.input_node)
-        # a dict, not a set: it iterates in the walk's order, the same on every replica
-        path = {node: None for node, reached in reaches.items() if reached}
+        graph = _survey([r.node for r in self.roots], self.input_node)
         # A node off the path with several parents (a parameter used twice, say) could be
         # reached from one boundary node through another, which would then run part of
         # the input path again. Rare; then W runs the whole backward again into the
         # parameters (exact, as slow as a naive split).
-        parents = Counter(c for node in reaches for c, _ in node.next_functions if c is not None)
-        self.whole = any(parents[node] > 1 for node in reaches if node not in path)
+        self.whole = graph.shared
         if self.whole:
             return self._input_only()
-        weight_path: List[Node] = []
+        path, edges = graph.path, graph.edges
         for root, grad in zip(self.roots, self.grads):
             if root.node not in path:
-                below = reachable([root])
-                self.off_path.append((root, grad, _leaves(below)))
-                weight_path += below
-        for node in path:
-            if node is self.input_node:
+                self.off_path.append((root, grad, _leaves(_below([root.node], edges))))
+        only_input: List[Node] = []  # path nodes that W does not run again
+        for node, leaving in path.items():
+            if not leaving or node is self.input_node:
+                only_input.append(node)
                 continue
-            edges = [GradientEdge(c, nr) for c, nr in node.next_functions
-                     if c is not None and c not in path]
-            if edges:
-                below = reachable(edges)
-                self.leaves[node] = _leaves(below)
-                weight_path += [node, *below]
-        handles = [node.register_prehook(self._keeper(node)) for node in self.leaves]
+            nexts = edges[node]
+            self.boundary.append(_Boundary(node, [
+                (k, GradientEdge(*nexts[k]), _leaves(_below([nexts[k][0]], edges)))
+                for k in leaving]))
+        handles = [b.node.register_prehook(partial(setattr, b, "incoming"))
+                   for b in self.boundary]
         try:
             self._input_only()
         finally:
             for handle in handles:
                 handle.remove()
         # W starts from the kept gradients: drop the roots, their gradients, and what only
-        # the input path saved (a ReLU's output, the loss's input), keeping W's tensors.
+        # the input path saved (a ReLU's output, the loss's input). What the boundary nodes
+        # saved is freed once W has run each of them; the weight path below frees itself.
         self.roots, self.grads = [], []
         if self.saved is not None:
-            self.saved.release(path, weight_path)
+            self.saved.release(only_input, ())
+            for b in self.boundary:
+                b.held = self.saved.holders_of(b.node)
 
     def _input_only(self) -> None:
-        torch.autograd.backward(self.roots, self.grads, inputs=[self.wrt_input],
-                                retain_graph=True)
+        _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
 
-    def _keeper(self, node: Node) -> Any:
-        def keep(grad_outputs: Tuple[Optional[Tensor], ...]) -> None:
-            self.captured[node] = tuple(grad_outputs)
-        return keep
-
-    def weight(self, wrt: Sequence[Tensor]) -> None:
+    def weight(self, wrt: Sequence[Tensor], *, call: bool = True, plain: bool = False) -> None:
         """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph.
 
-        Each boundary node runs again from the gradients it got in ``input``, asked only
-        for the leaves behind its edges off the input path, so it computes those edges
-        alone and nothing of the input path runs twice. (A hook on the boundary node's
-        output tensor, rare inside a stage, therefore runs in both halves.) The boundary
-        nodes run in a fixed order: the one whose parameters come last in ``wrt`` first.
+        The boundary nodes run in a fixed order: the one whose parameters come last in
+        ``wrt`` first (see the module's docstring for how each runs). ``call=False``:
+        the engine runs every boundary node again, so that hooks on their outputs run
+        in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
+        ``plain``: a stage without an input path backpropagates as the plain model does,
+        into every leaf (``Stage.backward``'s plain form), without ``inputs=``.
         """
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and wrt:
-                torch.autograd.backward(self.roots, self.grads, inputs=autograd_inputs(list(wrt)))
+                plain = plain and self.wrt_input is None
+                _backprop(self.roots, self.grads, () if plain else autograd_inputs(list(wrt)))
             return
         order = {id(t): n for n, t in enumerate(wrt)}
-        captured, self.captured = self.captured, {}
-        leaves, self.leaves = self.leaves, {}
-        work = [([root], [grad], behind) for root, grad, behind in self.off_path]
-        self.off_path = []
-        for node, behind in leaves.items():
-            incoming = captured.get(node)
-            if incoming is not None:
-                work.append(([GradientEdge(node, k) for k, g in enumerate(incoming)
-                              if g is not None], [g for g in incoming if g is not None], behind))
-        runs: List[Tuple[int, List[GradientEdge], List[Tensor], List[Tensor]]] = []
-        for outs, grads, behind in work:
-            targets = sorted((t for t in behind if id(t) in order), key=lambda t: order[id(t)])
-            if outs and targets:
-                runs.append((order[id(targets[-1])], outs, grads, targets))
+        boundary, self.boundary = self.boundary, []
+        off_path, self.off_path = self.off_path, []
         # In a fixed order, the same on every replica (not the nodes' addresses): the
         # parameters registered last first, the order a plain backward produces them in
         # (and a reducer's buckets follow), so that post-accumulate hooks that issue
         # per-layer collectives issue them in the same order on every replica.
+        runs: List[Tuple[int, Callable[[], None]]] = []
+
+        def backprop(roots: Sequence[GradientEdge], grads: Sequence[Tensor],
+                     targets: Sequence[Tensor]) -> None:
+            _backprop(roots, grads, autograd_inputs(sorted(targets, key=lambda t: order[id(t)])),
+                      nested=bool(called))
+
+        for root, grad, behind in off_path:
+            targets = [t for t in behind if id(t) in order]
+            if targets:
+                runs.append((max(order[id(t)] for t in targets),
+                             partial(backprop, [root], [grad], targets)))
+        direct = call and not torch.is_anomaly_enabled()
+        called: List[GradientEdge] = []  # what the nodes called directly must compute
+        for b in boundary:
+            wanted = [(k, edge, targets) for k, edge, behind in b.off
+                      if (targets := [t for t in behind if id(t) in order])]
+            if not wanted or b.incoming is None:
+                continue
+            here = direct and not isinstance(b.node, torch._C._FunctionBase)
+            if here:
+                called += [edge for _, edge, _ in wanted]
+            runs.append((max(order[id(t)] for _, _, targets in wanted for t in targets),
+                         partial(b.run, wanted, here, backprop)))
         runs.sort(key=lambda run: -run[0])
-        for _, outs, grads, targets in runs:
-            torch.autograd.backward(outs, grads, inputs=autograd_inputs(targets))
+
+        def work() -> None:
+            for _, run in runs:
+                run()
+        if called:
+            _within_task(called, work)
+        else:
+            work()

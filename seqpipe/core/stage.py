@@ -259,7 +259,7 @@ class Stage:
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         tracker.replaying = replaying
-        state.saved = SavedTensors() if split else None
+        state.saved = SavedTensors() if split and state.entry.phony is not None else None
         read = captures()
         with state.recording():
             if checkpoint and self.segments:  # checkpoint_every: segment by segment
@@ -365,10 +365,12 @@ class Stage:
         assert state.split is not None, "backward_weight before backward_input"
         split, state.split = state.split, None
         weights = self._weights(sink)
+        call = self.leaves is None  # FSDP2: hooks that W must run (SplitBackward.weight)
+        plain = sink is not None and sink.plain  # as ``backward``: no ``inputs=`` needed
         with self._backpropagating(state):
-            split.weight(weights)
+            split.weight(weights, call=call, plain=plain)
         if state.head is not None and state.head.split is not None:
-            state.head.split.weight(weights)  # parameters that loss_fn itself used, if any
+            state.head.split.weight(weights, call=call)  # params loss_fn itself used
 
     @staticmethod
     def _pairs(state: TaskState, grad_outputs: Sequence[Optional[Tensor]],

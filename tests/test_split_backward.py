@@ -1,0 +1,203 @@
+"""How a split backward's ``W`` runs its boundary nodes (``seqpipe.core.split_backward``).
+
+``W`` calls each boundary node (a node of the input path with an edge to the weights) inside
+one graph task that needs only the nodes' edges off the input path, then backpropagates each
+weight path alone. These tests pin what that rule must give: the gradients of one plain
+backward, every operation once (none of the input path again, where chained layers would
+make a single backward from all boundary nodes count a gradient twice), the same for nodes
+side by side on the path, for a custom ``autograd.Function`` and under anomaly detection
+(both run by the engine instead), and a hook on a boundary node's output applied once.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+
+from op_count import OpCount
+from seqpipe.core.entry import enter
+from seqpipe.core.microbatch import Batch
+from seqpipe.core.saved import SavedTensors
+from seqpipe.core.split_backward import SplitBackward
+from seqpipe.core.stage import Received, Stage
+from seqpipe.skip.layout import inspect_skip_layout
+
+DTYPE = torch.float64
+
+
+def _split(model: nn.Module, x: Tensor, grad: Tensor) -> Tuple[Tensor, List[Tensor], Counter,
+                                                                Counter]:
+    """``model``'s backward on ``x`` split into I and W as a stage runs it: the input
+    gradient, the parameters' gradients, and the operations of I and of W."""
+    incoming = [x]
+    entry = enter(incoming, [True], torch.device("cpu"))  # x as a stage receives it
+    saved = SavedTensors()
+    with saved.recording():
+        out = model(incoming[0])
+    split = SplitBackward([get_gradient_edge(out)], [grad], entry.phony, entry.node,
+                          saved=saved)
+    with OpCount() as i_ops:
+        split.input()
+    params = list(model.parameters())
+    with OpCount() as w_ops:
+        split.weight(params)
+    grads = entry.grads(1)[0]
+    assert grads is not None
+    return grads, [p.grad for p in params], i_ops.counts, w_ops.counts  # type: ignore[misc]
+
+
+def _plain(model: nn.Module, x: Tensor, grad: Tensor) -> Tuple[Tensor, List[Tensor], Counter]:
+    model.zero_grad(set_to_none=True)
+    given = x.clone().requires_grad_()
+    out = model(given)
+    with OpCount() as ops:
+        torch.autograd.backward(out, grad)
+    assert given.grad is not None
+    return given.grad, [p.grad for p in model.parameters()], ops.counts  # type: ignore[misc]
+
+
+def _assert_exact(model: nn.Module, x: Tensor) -> Tuple[Counter, Counter, Counter]:
+    """The split's gradients are the plain backward's; returns the ops of I, W and B."""
+    grad = torch.randn_like(model(x))
+    dx, dparams, i_ops, w_ops = _split(model, x, grad)
+    plain_dx, plain_dparams, b_ops = _plain(model, x, grad)
+    torch.testing.assert_close(dx, plain_dx)
+    for mine, plain in zip(dparams, plain_dparams):
+        torch.testing.assert_close(mine, plain)
+    return i_ops, w_ops, b_ops
+
+
+def test_chained_linears_run_each_operation_once() -> None:
+    """Each Linear reaches the next one's weights through the input path, so one backward
+    from all boundary nodes together would run the path again and count twice. W runs the
+    weight edges only: one ``mm`` per weight, no ``tanh_backward``; I the rest."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)))
+    model = model.to(DTYPE)
+    i_ops, w_ops, b_ops = _assert_exact(model, torch.randn(5, 6, dtype=DTYPE))
+    assert w_ops["mm"] == 4 and w_ops["tanh_backward"] == 0, w_ops
+    assert i_ops["mm"] == 4 and i_ops["tanh_backward"] == 4, i_ops
+    for op in ("mm", "tanh_backward", "sum"):
+        assert i_ops[op] + w_ops[op] == b_ops[op], (op, i_ops, w_ops, b_ops)
+
+
+class SideBySide(nn.Module):
+    """Three Linears on one input (no boundary node reaches another's weights), one after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.out = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        return self.out(torch.tanh(self.q(h)) * self.k(h) + self.v(h))
+
+
+def test_nodes_side_by_side_on_the_path() -> None:
+    """Boundary nodes that do not reach one another (attention's q, k, v) and a LayerNorm:
+    exact, and every operation once."""
+    torch.manual_seed(1)
+    model = SideBySide().to(DTYPE)
+    i_ops, w_ops, b_ops = _assert_exact(model, torch.randn(3, 5, 6, dtype=DTYPE))
+    assert w_ops["mm"] == 4 and w_ops["native_layer_norm_backward"] == 1, w_ops
+    for op in ("mm", "tanh_backward", "mul"):
+        assert i_ops[op] + w_ops[op] == b_ops[op], (op, i_ops, w_ops, b_ops)
+
+
+class _Linear(torch.autograd.Function):
+    """A custom linear: its node is a boundary node ``W`` cannot call directly."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(_Linear.apply(x, self.weight))
+
+
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_a_custom_function_and_anomaly_detection_run_by_the_engine(anomaly: bool) -> None:
+    """A custom ``autograd.Function`` as a boundary node between built-in ones, and every
+    boundary node under ``detect_anomaly``: run by the engine from their kept gradients."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 6), Custom(), nn.Linear(6, 6), Custom()).to(DTYPE)
+    with torch.autograd.set_detect_anomaly(anomaly):
+        _assert_exact(model, torch.randn(4, 6, dtype=DTYPE))
+
+
+class Hooked(nn.Module):
+    """A Linear whose output's gradient a hook changes (doubles): the gradient entering the
+    boundary node, read by both halves."""
+
+    def __init__(self, calls: List[int]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.calls = calls
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.lin(x)
+        if y.requires_grad:
+            y.register_hook(self._double)
+        return torch.tanh(y)
+
+    def _double(self, grad: Tensor) -> Tensor:
+        self.calls.append(1)
+        return grad * 2
+
+
+def test_a_hook_on_a_boundary_output_changes_the_gradient_once() -> None:
+    """The hook runs in I only and W starts from what it returned, so the weights'
+    gradients are the plain model's (W once ran the node again through the engine, which
+    applied the hook a second time: the weight's gradient was doubled twice)."""
+    torch.manual_seed(3)
+    calls: List[int] = []
+    model = nn.Sequential(nn.Linear(6, 6), Hooked(calls), nn.Linear(6, 6)).to(DTYPE)
+    x = torch.randn(4, 6, dtype=DTYPE)
+    grad = torch.randn(4, 6, dtype=DTYPE)
+    _, dparams, _, _ = _split(model, x, grad)
+    assert len(calls) == 1, f"the hook ran {len(calls)} times"
+    _, plain, _ = _plain(model, x, grad)
+    for mine, expected in zip(dparams, plain):
+        torch.testing.assert_close(mine, expected)
+
+
+def test_a_stage_without_an_input_path_records_nothing_to_free() -> None:
+    """Stage 0 of a model fed token ids: its input wants no gradient, so its ``I`` is empty
+    and its ``W`` is the whole backward. Its split forward keeps no saved-tensor holders
+    (nothing would be freed early: they were pure cost), and the gradients are a plain
+    backward's."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.Tanh()).to(DTYPE)
+    stage = Stage(0, model, torch.device("cpu"),
+                  inspect_skip_layout(nn.Sequential(*model, nn.Identity()), [3, 1]))
+    tokens = torch.randint(10, (4, 3))
+    _, state = stage.forward(Received(Batch((tokens,), True), {}, (False,)), grad=True,
+                             split=True)
+    assert state is not None and state.saved is None
+    grad = torch.randn(4, 3, 6, dtype=DTYPE)
+    stage.backward_input(state, [grad], {})
+    assert all(p.grad is None for p in model.parameters()), "I must not reach the weights"
+    stage.backward_weight(state)
+    split = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    torch.autograd.backward(model(tokens), grad)
+    for mine, plain in zip(split, model.parameters()):
+        torch.testing.assert_close(mine, plain.grad)
