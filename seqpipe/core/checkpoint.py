@@ -57,10 +57,18 @@ def refusing_reentrant(stage: int, roots: Sequence[GradientEdge]) -> Iterator[No
     try:
         yield
     except RuntimeError as error:
-        if any(getattr(node, "_forward_cls", None) is CheckpointFunction
-               for node in reachable(roots)):
-            raise ReentrantCheckpointError(stage) from error
+        check_reentrant(stage, roots, error)
         raise
+
+
+def check_reentrant(stage: int, roots: Sequence[GradientEdge], error: RuntimeError) -> None:
+    """After a backward of stage ``stage`` from ``roots`` raised ``error``: raise a
+    ``ReentrantCheckpointError`` (from it) where the graph holds a reentrant checkpoint;
+    else return (the caller re-raises ``error``). ``refusing_reentrant``, for a caller
+    that saves a generator's cost per backward."""
+    if any(getattr(node, "_forward_cls", None) is CheckpointFunction
+           for node in reachable(roots)):
+        raise ReentrantCheckpointError(stage) from error
 
 
 def check_mode(mode: object) -> str:
