@@ -54,8 +54,9 @@ def pipeline_outputs(ctx: Any, outputs: Tuple[Tensor, ...]) -> Tuple[Tensor, ...
     """In the forward of the Function that hands a call's outputs to the caller: no
     zero-filled gradients, and the outputs that cannot have one marked so."""
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*(t for t in outputs
-                                  if not (t.is_floating_point() or t.is_complex())))
+    fixed = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
+    if fixed:  # (usually none: no call)
+        ctx.mark_non_differentiable(*fixed)
     return outputs
 
 
@@ -93,7 +94,7 @@ class _Exit(torch.autograd.Function):
     def forward(ctx: Any, used: List[bool], phony: Tensor,  # type: ignore[override]
                 *tensors: Tensor) -> Tuple[Tensor, ...]:
         ctx.used = used
-        return pipeline_outputs(ctx, tuple(t.detach() for t in tensors))
+        return pipeline_outputs(ctx, tuple([t.detach() for t in tensors]))
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
