@@ -164,4 +164,3 @@ def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Ten
         return gathered.like(()), tuple(t.detach() for t in gathered.tensors)
     # The outputs require grad, as the engine's, even where the partition's do not.
     return gathered.like(()), apply_function(_Exit, [False], _PHONY, *gathered.tensors)
-
