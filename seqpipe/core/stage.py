@@ -99,7 +99,12 @@ class _Pending:
 
 
 def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
-    return get_gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
+    if tensor is None or not wants_grad(tensor):
+        return None
+    node = tensor.grad_fn
+    if node is None or isinstance(node, torch._C._FunctionBase):  # a leaf, a Python node
+        return get_gradient_edge(tensor)  # (which keeps a Python node's graph alive)
+    return GradientEdge(node, tensor.output_nr)  # get_gradient_edge's, without its checks
 
 
 class Stage:
