@@ -99,12 +99,15 @@ class _Pending:
 
 
 def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
-    if tensor is None or not wants_grad(tensor):
-        return None
+    return _gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
+
+
+def _gradient_edge(tensor: Tensor) -> GradientEdge:
+    """``get_gradient_edge(tensor)``, made directly for a C++ node (per micro-batch)."""
     node = tensor.grad_fn
     if node is None or isinstance(node, torch._C._FunctionBase):  # a leaf, a Python node
         return get_gradient_edge(tensor)  # (which keeps a Python node's graph alive)
-    return GradientEdge(node, tensor.output_nr)  # get_gradient_edge's, without its checks
+    return GradientEdge(node, tensor.output_nr)
 
 
 class Stage:
@@ -273,7 +276,7 @@ class Stage:
         if state.replay is None:
             with state.recording():
                 loss = compute(sent.outputs)
-            state.roots = [get_gradient_edge(loss)]
+            state.roots = [_gradient_edge(loss)]
             return loss
         tensors: List[Optional[Tensor]] = list(sent.outputs.tensors)
         head = TaskState(len(tensors), (), saved=SavedTensors())
