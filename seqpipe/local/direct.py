@@ -141,7 +141,7 @@ def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Ten
     BatchNorm statistics committed (or dropped on failure). Returns the output's shape (its
     tensors left out) and tensors."""
     tensors = given.batch.tensors
-    if grad and any(wants_grad(t) for t in tensors):
+    if grad and any([wants_grad(t) for t in tensors]):
         tensors = _Enter.apply(*tensors)
     tracker = StageSkipTracker(stage.crossing, {})
     try:
