@@ -14,7 +14,18 @@ threads joined) in ``destroy_process_group()``.
 
     PYTHONPATH=$PWD python benchmarks/exit_repro.py --runs 40
 
-seqpipe's side of it: seqpipe/core/teardown.py, and "Ending a script" in docs/distributed.md.
+The cases ``mesh-held`` and ``mesh-dropped`` show another holder: a ``DeviceMesh`` whose
+one dimension spans every rank (``init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))``:
+``mesh.get_group("pp")`` *is* the default group), one all-reduce over it, and
+``destroy_process_group()`` with the mesh still held (as a script's global mesh is) or
+after ``del mesh``. The mesh keeps its dimensions' groups in its ``_pg_registry`` (torch
+2.13), the default one included, so under ``mesh-held`` it outlives
+``destroy_process_group()``:
+
+    PYTHONPATH=$PWD python benchmarks/exit_repro.py --runs 10 --cases mesh-held mesh-dropped
+
+seqpipe's side of it: seqpipe/core/teardown.py, ``seqpipe.distributed.mesh.kept`` (a pipe
+keeps such a pipeline group as ``None``), and "Ending a script" in docs/distributed.md.
 """
 from __future__ import annotations
 
@@ -28,18 +39,30 @@ from exit_soak import TORCHRUN, Target, run_once
 OUTLIVED = "the default group outlived destroy_process_group()"
 
 
-def worker(order: str) -> None:
+CASES = ("first", "late", "mesh-held", "mesh-dropped")
+
+
+def worker(case: str) -> None:
     """One rank of the repro."""
+    import torch
     import torch.distributed as dist
 
-    if order == "first":
+    if case == "first":
         import torch.distributed.nn.functional  # noqa: F401
     dist.init_process_group("gloo")
-    if order == "late":
+    if case == "late":
         import torch.distributed.nn.functional  # noqa: F401
     default = weakref.ref(dist.group.WORLD)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, dist.get_rank())
+    if case.startswith("mesh"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
+        dist.all_reduce(torch.ones(1), group=mesh.get_group("pp"))
+        if case == "mesh-dropped":
+            del mesh
+    else:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, dist.get_rank())
     dist.destroy_process_group()
     if default() is not None:  # no gc.collect() first: it gives gloo's threads time to finish
         print(OUTLIVED, file=sys.stderr, flush=True)
@@ -47,20 +70,22 @@ def worker(order: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=40, help="runs per order (default 40)")
-    parser.add_argument("--worker", choices=("first", "late"), help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=int, default=40, help="runs per case (default 40)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=["first", "late"],
+                        help="import orders first/late (default), or a world mesh held/dropped")
+    parser.add_argument("--worker", choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return 0
-    for order in ("first", "late"):
-        target = Target(order, [*TORCHRUN, __file__, f"--worker={order}"])
+    for case in args.cases:
+        target = Target(case, [*TORCHRUN, __file__, f"--worker={case}"])
         aborted = outlived = 0
         for _ in range(args.runs):
             done = run_once(target, timeout=300.0)
             aborted += done.returncode != 0
             outlived += OUTLIVED in done.stderr
-        print(f"import {order:5s}: {aborted:3d} of {args.runs} runs exited non-zero; "
+        print(f"{case:12s}: {aborted:3d} of {args.runs} runs exited non-zero; "
               f"the default group outlived destroy_process_group() in {outlived}", flush=True)
     return 0
 

@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import hop_split
 import sleep_model
 import torch
 import torch.distributed as dist
@@ -69,6 +70,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.ranks, timeout=datetime.timedelta(seconds=300))
     sleep_model._sleep = _recorded  # the layers look it up when they sleep
+    if args.hops:
+        hop_split.install()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.chunks * 4, args.width, generator=gen)
     y = torch.randn(args.chunks * 4, args.width, generator=gen)
@@ -77,17 +80,19 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
         config = make_config(name, _config_args(args))
         variants[f"torch {name}"] = torch_variant(config, rank, args.chunks, x, y)
         variants[f"seqpipe {name}"] = seqpipe_variant(config, args.chunks, x, y)
-    steps: Dict[str, List[Tuple[float, float, List[Sleep]]]] = {k: [] for k in variants}
+    steps: Dict[str, List[Tuple[float, float, List[Sleep], List[Any]]]] = {
+        k: [] for k in variants}
     for r in range(args.warmup + args.rounds):
         order = list(variants.items())
         for key, variant in (order if r % 2 else order[::-1]):  # alternate who goes first
             dist.barrier()
             _SLEEPS.clear()
+            hop_split.LOG.clear()
             start = time.perf_counter()
             variant.run()
             end = time.perf_counter()
             if r >= args.warmup:
-                steps[key].append((start, end, list(_SLEEPS)))
+                steps[key].append((start, end, list(_SLEEPS), list(hop_split.LOG)))
     everyone: List[Optional[Dict[str, Any]]] = [None] * args.ranks
     dist.all_gather_object(everyone, steps)
     if rank == 0:
@@ -140,8 +145,11 @@ def _sender(key: Key, last: int, done: Dict[Key, Tuple[float, float, float]]) ->
 
 
 def critical_path(start: float, end: float, per_rank: List[List[Sleep]],
-                  timeline: List[List[Tuple[float, float, Any]]]) -> Dict[str, float]:
-    """One step's makespan split along its measured critical path (see the module doc)."""
+                  timeline: List[List[Tuple[float, float, Any]]],
+                  logs: Optional[List[List[Any]]] = None,
+                  hops: Optional[List[Dict[str, float]]] = None) -> Dict[str, float]:
+    """One step's makespan split along its measured critical path (see the module doc);
+    with ``logs`` (each rank's ``hop_split.LOG``), each hop's parts are added to ``hops``."""
     done: Dict[Key, Tuple[float, float, float]] = {}
     order: Dict[Key, Optional[Key]] = {}  # the previous action on the same rank
     for rank, sleeps in enumerate(per_rank):
@@ -165,6 +173,10 @@ def critical_path(start: float, end: float, per_rank: List[List[Sleep]],
         if remote is not None and remote_end > local_end:
             parts["hops"] += first - remote_end
             parts["hop count"] += 1
+            split = hop_split.split_hop(remote[2], key[2], remote_end, first, local_end,
+                                        logs) if logs and hops is not None else None
+            if split is not None:
+                hops.append(split)  # type: ignore[union-attr]
             key = remote
         elif local is not None:
             parts["local"] += first - local_end
@@ -173,10 +185,21 @@ def critical_path(start: float, end: float, per_rank: List[List[Sleep]],
             parts["head"] += first - start
             key = None
     parts["makespan"] = end - start
+    if logs and any(logs):
+        last = max(done, key=lambda k: done[k][1])
+        first = min(done, key=lambda k: done[k][0])
+        parts.update(hop_split.split_edges((first[2], done[first][0]), (last[2], done[last][1]),
+                                           end, logs))
     return parts
 
 
 def report(everyone: List[Dict[str, Any]], args: argparse.Namespace) -> List[str]:
+    hop_lines = ["| variant | hops split | bytes | " +
+                 " | ".join(f"{p} ms" for p in (*hop_split.HOP_PARTS, "waited before")) +
+                 " | head sends | head recvs | " +
+                 " | ".join(f"{p} ms" for p in hop_split.EDGE_PARTS[2:]) + " |",
+                 "|---|---|---|" + "---|" * (len(hop_split.HOP_PARTS) + 1 +
+                                             len(hop_split.EDGE_PARTS))]
     lines = ["| variant | simulate ms | makespan ms | / simulate | " +
              " | ".join(f"{p} ms" for p in PARTS) + " | hops on the path | ms per hop |",
              "|---|---|---|---|" + "---|" * len(PARTS) + "---|---|"]
@@ -186,10 +209,21 @@ def report(everyone: List[Dict[str, Any]], args: argparse.Namespace) -> List[str
         f, i, w = config.costs  # type: ignore[misc]
         sim = simulate(get_schedule(name), args.ranks, args.chunks, forward_cost=f,
                        input_cost=i, weight_cost=w)
+        hops: List[Dict[str, float]] = []
         steps = [critical_path(min(r[key][n][0] for r in everyone),
                                max(r[key][n][1] for r in everyone),
-                               [r[key][n][2] for r in everyone], sim.timeline)
+                               [r[key][n][2] for r in everyone], sim.timeline,
+                               [r[key][n][3] for r in everyone], hops)
                  for n in range(len(everyone[0][key]))]
+        split = hop_split.summarize(hops)
+        if split:
+            edges = {p: statistics.median(s[p] for s in steps) * (1 if p.startswith("head")
+                                                                  else 1e3)
+                     for p in hop_split.EDGE_PARTS}
+            hop_lines.append(f"| {key} | {split['count']:.0f} | {split['bytes']:.0f} | " +
+                             " | ".join(f"{split[p]:.3f}" for p in (*hop_split.HOP_PARTS,
+                                                                   "waited before")) + " | " +
+                             " | ".join(f"{edges[p]:.2f}" for p in hop_split.EDGE_PARTS) + " |")
         med = {p: statistics.median(s[p] for s in steps) for p in (*PARTS, "makespan",
                                                                     "hop count")}
         per_hop = statistics.median(s["hops"] / max(s["hop count"], 1) for s in steps)
@@ -197,7 +231,7 @@ def report(everyone: List[Dict[str, Any]], args: argparse.Namespace) -> List[str
                      f"{med['makespan'] * 1e3 / sim.makespan:.3f} | " +
                      " | ".join(f"{med[p] * 1e3:.2f}" for p in PARTS) +
                      f" | {med['hop count']:.0f} | {per_hop * 1e3:.2f} |")
-    return lines
+    return lines + ([""] + hop_lines if len(hop_lines) > 2 else [])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -209,6 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb_h1"], choices=SCHEDULES)
+    parser.add_argument("--hops", action="store_true",
+                        help="also split each hop on the path (benchmarks/hop_split.py)")
     args = parser.parse_args(argv)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

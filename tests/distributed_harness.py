@@ -6,9 +6,11 @@ picked in advance, where another process could take it first), runs
 ``fn(rank, world_size, *args)``, tears the group down and ends normally, through the
 interpreter's whole teardown, as a user's script under torchrun does (and checks that the
 default group did not outlive ``destroy_process_group()``, which can make that teardown
-abort). A worker that must end without the collective teardown (its peer was killed) says
-so itself, with ``os._exit``. The parent waits at most ``timeout`` seconds; a hang kills
-every worker and fails the test instead of stalling CI. A worker's exception fails the
+abort). A worker that must end without the collective teardown says so itself, with
+``os._exit``, which also skips the exit handler that sees a failed call's news out
+(``seqpipe.distributed.inflight``): a killed rank's peers end normally, as a user's script
+does. The parent waits at most ``timeout`` seconds; a hang kills every worker and fails the
+test instead of stalling CI. A worker's exception fails the
 test with the worker's traceback, and so does a worker that ends with a non-zero status
 or a signal after its function returned (an abort in the interpreter's teardown).
 

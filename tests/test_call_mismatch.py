@@ -16,6 +16,9 @@ from distributed_harness import run_workers
 from seqpipe.distributed import DistributedPipe, PeerError, PipeGradScaler
 
 Call = Callable[[DistributedPipe, int, int], object]
+PG_TIMEOUT = 60.0
+"""The process group's timeout in these launches: a mismatch reported sooner was found,
+not waited out, whatever the machine's load."""
 
 
 def _train(pipe: DistributedPipe, rank: int, world: int) -> object:
@@ -52,7 +55,7 @@ def _mismatches(rank: int, world: int) -> None:
         started = time.monotonic()
         with pytest.raises(Exception) as info:
             (first if rank == 0 else others)(pipe, rank, world)
-        assert time.monotonic() - started < 20, "took the timeout, not seconds"
+        assert time.monotonic() - started < PG_TIMEOUT, "waited out the group's timeout"
         if rank == 0:
             assert isinstance(info.value, PeerError), repr(info.value)
         else:
@@ -73,4 +76,4 @@ def _mismatches(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_different_calls_on_different_ranks_fail_fast_everywhere(world: int) -> None:
-    run_workers(_mismatches, world, timeout=150, pg_timeout=60)
+    run_workers(_mismatches, world, timeout=150, pg_timeout=PG_TIMEOUT)

@@ -70,6 +70,28 @@ def _vector_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).square()  # not reduced: a vector
 
 
+def _first_forward_fails(rank: int, world: int) -> None:
+    """Stage 0 fails in its first forward, before it told stage 2 that a step starts (it
+    tells only stage 1, which its first forward feeds, before that forward): stage 2 hears
+    of it in place of that message, and stage 1 while waiting for the activation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Boom(1), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    pipe = DistributedPipe(model, chunks=4, balance=[1, 2, 1], schedule="1f1b",
+                           checkpoint="never", group=dist.new_group(list(range(world))))
+    with pytest.raises(Exception) as info:
+        _step(pipe, rank, world)
+    exc, failure = info.value, "stage 0 failed in the forward of micro-batch 0"
+    if rank == 0:
+        assert isinstance(exc, ZeroDivisionError) and failure in " ".join(exc.__notes__)
+    else:
+        assert isinstance(exc, PeerError) and failure in str(exc), repr(exc)
+        waiting = ("stage 1 was at forward of micro-batch 0 on stage 1, waiting for the "
+                   "activation from stage 0" if rank == 1 else
+                   "stage 2 was at start of the step, waiting for the start of the step "
+                   "from stage 0")
+        assert waiting in str(exc), str(exc)
+
+
 def _injected(rank: int, world: int) -> None:
     # Each scenario runs on a fresh process group, so nothing left over from a failed
     # step (an abort nobody read) can reach the next one.
@@ -79,6 +101,7 @@ def _injected(rank: int, world: int) -> None:
             with pytest.raises(Exception) as info:
                 _step(pipe, rank, world)
             _check_injected(info.value, rank, "backward" if in_backward else "forward")
+    _first_forward_fails(rank, world)
     pipe = _pipe(nn.Linear(4, 4), "1f1b", dist.new_group(list(range(world))))
     with pytest.raises(Exception) as info:
         _step(pipe, rank, world, _vector_loss)
@@ -103,9 +126,15 @@ def test_exception_in_one_stage_raises_on_every_rank() -> None:
     run_workers(_injected, 3, timeout=150)
 
 
+PG_TIMEOUT = 30.0
+"""The process group's timeout in these launches: a failure raised sooner did not wait it
+out (a closed connection, an abort), whatever the machine's load."""
+
+
 def _killed(rank: int, world: int) -> None:
     pipe = _pipe(nn.Linear(4, 4), "1f1b")
-    dist.barrier()  # every rank has connected its pipeline's groups before one dies
+    late = _pipe(nn.Linear(4, 4), "1f1b", dist.new_group(list(range(world))))
+    dist.barrier()  # every rank has connected its pipelines' groups before one dies
     if rank == 1:
         os._exit(0)  # dies without a word, like a SIGKILLed process
     started = time.monotonic()
@@ -116,35 +145,58 @@ def _killed(rank: int, world: int) -> None:
     # The action is named: a micro-batch's, or the opening of the step when this rank's
     # first send to the dead rank already fails (a race with its exit, not a defect).
     assert "micro-batch" in text or "start of the step" in text, text
-    assert time.monotonic() - started < 20  # the connection drops: well inside the timeout
-    os._exit(0)  # the group lost a member; skip the collective teardown
+    assert time.monotonic() - started < PG_TIMEOUT, "waited out the group's timeout"
+    # Stage 0 has (almost always) seen stage 1's connections close by now: it fails at
+    # the opening of the next step, tells stage 2 (waiting for that opening) and ends at
+    # once. Stage 2 must read that abort, not stage 0's closed connection: the exit
+    # handler sees the abort out first. (Else stage 0 sends the opening, and stage 2
+    # loses stage 1 itself: the same report.)
+    with pytest.raises(PeerError) as info:
+        _step(late, rank, world)
+    assert "lost stage 1" in str(info.value), str(info.value)
+    # Both end as a user's script does, through the harness's teardown and the exit
+    # handlers (os._exit would skip the one that delivers the abort).
 
 
 def test_killed_rank_raises_on_the_others() -> None:
-    run_workers(_killed, 3, timeout=90)
+    """A rank that dies is named by the others, within seconds; and the news that a rank
+    relays about it before ending at once reaches its peer as sent (it once read "lost
+    stage 0" there when stage 0 ended with ``os._exit`` before its abort went out)."""
+    run_workers(_killed, 3, timeout=90, pg_timeout=PG_TIMEOUT)
+
+
+STALL_TIMEOUT = 4.0
+"""The process group's timeout in the stalled launch: a silent peer is given up on then."""
+SILENCE = 60.0
+"""How long the stalled rank stays silent at most (it ends as soon as both peers gave up):
+a peer that raised sooner gave up on its own, at the group's timeout, not because the
+silent rank ended (a closed connection)."""
 
 
 def _stalled(rank: int, world: int, folder: str) -> None:
     pipe = _pipe(nn.Linear(4, 4), "fill_drain")
     gave_up = [os.path.join(folder, f"{peer}.gave-up") for peer in (0, 2)]
     if rank == 1:
-        # alive but silent until both peers have given up on it (at the group's timeout:
-        # they say so in a file, outside the group), and longer than they may take
-        deadline = time.monotonic() + 12
+        # alive but silent until both peers have given up on it (they say so in a file,
+        # outside the group)
+        deadline = time.monotonic() + SILENCE
         while not all(map(os.path.exists, gave_up)) and time.monotonic() < deadline:
             time.sleep(0.05)
         os._exit(0)  # its peers gave up on it: no collective teardown to join
     started = time.monotonic()
     with pytest.raises(PeerError) as info:
         _step(pipe, rank, world)
-    assert time.monotonic() - started < 11
+    elapsed = time.monotonic() - started
     assert f"stage {rank}" in str(info.value) and "stage 1" in str(info.value)
+    # The group's timeout ended the wait: not sooner (nothing else could), and while
+    # stage 1 was still silent (a hang would have lasted until it ended).
+    assert STALL_TIMEOUT / 2 < elapsed < SILENCE, f"raised after {elapsed:.1f} s"
     open(gave_up[rank // 2], "w").close()
     os._exit(0)  # the group lost a member; skip the collective teardown
 
 
 def test_stalled_rank_raises_within_the_group_timeout(tmp_path: pathlib.Path) -> None:
-    run_workers(_stalled, 3, str(tmp_path), timeout=90, pg_timeout=4)
+    run_workers(_stalled, 3, str(tmp_path), timeout=SILENCE + 60, pg_timeout=STALL_TIMEOUT)
 
 
 class Slow(nn.Module):

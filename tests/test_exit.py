@@ -24,6 +24,10 @@ from torch import nn
 
 from distributed_harness import run_workers
 
+KEPT: list = []
+"""What a user's script still holds when it ends (its globals): alive past
+``destroy_process_group()``, after which ``run_workers`` checks that the default group is gone."""
+
 
 def _train_then_gather(rank: int) -> None:
     """Two 1F1B steps of a 2-stage ``DistributedPipe``, every micro-batch checkpointed (which
@@ -55,7 +59,35 @@ def _seqpipe_imported_late(rank: int, world_size: int) -> None:
     total.sum().backward()  # the gradient of a sum over ranks is all-reduced back
     torch.testing.assert_close(x.grad, torch.full((2,), float(world_size)))
     _train_then_gather(rank)
+    pipes_on_whole_world_meshes(world_size)
     # run_workers checks that the default group is gone after destroy_process_group().
+
+
+def pipes_on_whole_world_meshes(world_size: int) -> None:
+    """A pipeline on a ``DeviceMesh`` dimension that spans every rank, which is the default
+    group object itself: a 1-D mesh's, and ``mesh_groups`` of a ``(world, 1)`` mesh. Each
+    trains a step (its loss the plain model's) and stays alive to the end, as a script's
+    globals do; a pipe that held its group would keep the default group alive past
+    ``destroy_process_group()``. The meshes are dropped: torch's ``DeviceMesh`` keeps its
+    groups (``benchmarks/exit_repro.py --cases mesh-held``; "Ending a script" in
+    docs/distributed.md)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seqpipe.distributed import DistributedPipe, mesh_groups
+
+    line = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    grid = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("pp", "dp"))
+    for group in (line.get_group("pp"), mesh_groups(grid)[0]):
+        assert group is dist.group.WORLD, "the premise: the dimension is the default group"
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world_size)])
+        x, y = torch.randn(4, 4), torch.randn(4, 4)
+        expected = nn.functional.mse_loss(model(x), y)
+        pipe = DistributedPipe(model, chunks=2, group=group)
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                               nn.functional.mse_loss)
+        torch.testing.assert_close(loss, expected.detach())
+        KEPT.append(pipe)
 
 
 def test_seqpipe_imported_after_init_process_group_frees_the_default_group() -> None:

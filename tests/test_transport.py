@@ -43,17 +43,24 @@ class Recorder:
         self.irecvs = 0
         self.peak_pending = 0
         self.posted_at_recv: List[bool] = []  # per recv(): was its receive posted already?
+        # per wait on a receive not yet complete: the peers whose next receive was still
+        # put off then (receives are put off until the rank waits, not posted on arrival)
+        self.unposted_at_wait: List[List[int]] = []
+        self.irecvs_before_activation: Optional[int] = None  # when activation 0 was sent
         self.originals: Dict[str, Any] = {}
 
     def __enter__(self) -> "Recorder":
         rec = self
-        send, isend, irecv, recv = (Transport.send, Transport._isend, Transport._irecv,
-                                    Transport.recv)
-        self.originals = dict(send=send, _isend=isend, _irecv=irecv, recv=recv)
+        send, isend, irecv, recv, wait = (Transport.send, Transport._isend, Transport._irecv,
+                                          Transport.recv, Transport._wait)
+        self.originals = dict(send=send, _isend=isend, _irecv=irecv, recv=recv, _wait=wait)
 
         def _send(self: Transport, stage: int, kind: Kind, microbatch: int, tensors: Any,
                   *args: Any, **kwargs: Any) -> None:
             before = rec.buffers
+            if kind is Kind.ACTIVATION and microbatch == 0 and \
+                    rec.irecvs_before_activation is None:
+                rec.irecvs_before_activation = rec.irecvs
             send(self, stage, kind, microbatch, tensors, *args, **kwargs)
             payload = any(t is not None for t in tensors)
             rec.messages.append((stage, kind, microbatch, payload, rec.buffers - before))
@@ -71,6 +78,12 @@ class Recorder:
             rec.posted_at_recv.append(stage in self._posted)
             return recv(self, stage)
 
+        def _wait(self: Transport, work: Any) -> None:
+            if not work.is_completed():
+                rec.unposted_at_wait.append(sorted(self._due))
+            wait(self, work)
+
+        Transport._wait = _wait  # type: ignore[method-assign]
         Transport.send = _send  # type: ignore[method-assign]
         Transport._isend = _isend  # type: ignore[method-assign]
         Transport._irecv = _irecv  # type: ignore[method-assign]
@@ -83,7 +96,8 @@ class Recorder:
 
     def reset(self) -> None:
         self.messages, self.buffers, self.irecvs = [], 0, 0
-        self.peak_pending, self.posted_at_recv = 0, []
+        self.peak_pending, self.posted_at_recv, self.unposted_at_wait = 0, [], []
+        self.irecvs_before_activation = None
 
 
 def data(seed: int, batch: int, features: int = 8, out: int = 4) -> Tuple[Tensor, Tensor]:
@@ -159,9 +173,11 @@ def _fast_path(rank: int, world: int) -> None:
                                 f"{what}: {kind.name} {mb} took {buffers} buffer(s)")
             failures.expect(rec.buffers == sum(m[4] for m in rec.messages),
                             f"{what}: {rec.buffers} buffers for {rec.messages}")
-            # Receiving ahead: each message's receive was posted before it was asked for.
-            failures.expect(bool(rec.posted_at_recv) and all(rec.posted_at_recv),
-                            f"{what}: receives posted ahead: {rec.posted_at_recv}")
+            # Receiving ahead: a receive is posted before this rank waits (here, with one
+            # peer, when it is needed), never between a message's arrival and its layer.
+            failures.expect(bool(rec.posted_at_recv) and not any(
+                unposted for unposted in rec.unposted_at_wait),
+                            f"{what}: waited with receives not posted: {rec.unposted_at_wait}")
             failures.expect(pipe._transport.pending_bytes() == 0,
                             f"{what}: {pipe._transport.pending_bytes()} bytes held after it")
         # A forward-only call of the last shape: the same activations, one buffer each, and
@@ -277,6 +293,12 @@ class Boom(nn.Module):
         return self.lin(x)
 
 
+REFUSAL_PG_TIMEOUT = 60.0
+"""The process group's timeout in ``_after_failure``'s launch: a refusal that took as long
+waited for something (the failed call's messages end no sooner), where it must wait for
+nothing; one that took less did not, whatever the machine's load."""
+
+
 def _after_failure(rank: int, world: int) -> None:
     failures = Failures(rank)
     everyone = list(range(world))
@@ -316,7 +338,7 @@ def _after_failure(rank: int, world: int) -> None:
             else:
                 failures.expect(False, f"{call} on the failed pipe did not raise")
             elapsed = time.monotonic() - started
-        failures.expect(elapsed < 1.0, f"{call}: took {elapsed:.2f} s to refuse")
+        failures.expect(elapsed < REFUSAL_PG_TIMEOUT, f"{call}: took {elapsed:.2f} s to refuse")
         failures.expect(rec.buffers == 0 and rec.irecvs == 0 and not rec.messages,
                         f"{call}: communicated while refusing: {rec.buffers} sends, "
                         f"{rec.irecvs} receives")
@@ -333,7 +355,7 @@ def _after_failure(rank: int, world: int) -> None:
 
 
 def test_failed_pipe_refuses_further_calls_and_a_new_one_works() -> None:
-    run_workers(_after_failure, 3, timeout=120, pg_timeout=60)
+    run_workers(_after_failure, 3, timeout=120, pg_timeout=REFUSAL_PG_TIMEOUT)
 
 
 # -- packing, in this process -----------------------------------------------------------
@@ -522,20 +544,48 @@ def _cycle(firsts: List[List[Tuple[str, int, int, str, int]]]) -> Optional[str]:
     return None
 
 
+def _step_edges(rank: int, world: int, rec: Recorder, failures: Failures, what: str) -> None:
+    """One train step's control messages (1F1B, one stage per rank): the rank of stage 0
+    tells stage 1 of the call before its first forward and the other stages after it;
+    the last stage sends the loss to every rank, stage 0 DONE to every rank; and a rank
+    waits only with every receive it can post posted."""
+    control = [(dst, kind) for dst, kind, _, _, _ in rec.messages
+               if kind in (Kind.STEP, Kind.LOSS, Kind.DONE)]
+    others = [r for r in range(world) if r != rank]
+    expected = {0: [(r, Kind.STEP) for r in others] + [(r, Kind.DONE) for r in others],
+                world - 1: [(r, Kind.LOSS) for r in others]}.get(rank, [])
+    failures.expect(control == expected, f"{what}: control messages {control}")
+    if rank == 0:
+        first = [(dst, kind, mb) for dst, kind, mb, _, _ in rec.messages[:world]]
+        failures.expect(first == [(1, Kind.STEP, -1), (1, Kind.ACTIVATION, 0),
+                                  *((r, Kind.STEP, -1) for r in range(2, world))],
+                        f"{what}: stage 0 sent first {first}")
+    failures.expect(not any(rec.unposted_at_wait),
+                    f"{what}: waited with receives not posted: {rec.unposted_at_wait}")
+    # a call's first receive from each peer is put off: stage 0 posts none before its
+    # first forward has sent its activation
+    if rank == 0:
+        failures.expect(rec.irecvs_before_activation == 0,
+                        f"{what}: stage 0 posted {rec.irecvs_before_activation} receives "
+                        f"before its first forward's activation")
+
+
 def _communicators(rank: int, world: int) -> None:
     failures = Failures(rank)
     boom = ArmedBoom()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), boom, nn.Linear(8, 4)).to(DTYPE)
-    with Touches() as touches:
+    with Touches() as touches, Recorder() as rec:
         pipe = DistributedPipe(model, chunks=4, balance=[1, 1, 1, 1], checkpoint="never")
         built_at = len(touches.ops)
         transport = pipe._transport
         names = {transport.group: "forward", transport.reverse: "reverse"}
         for n, batch in enumerate((8, 10, 6)):  # shapes change: placeholders, payloads
             x, y = data(50 + n, batch)
+            rec.reset()
             pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
                             F.mse_loss)
+            _step_edges(rank, world, rec, failures, f"step {n}")
         pipe(data(60, 8)[0] if rank == 0 else None)
         opened = {(names[g], peer, op) for op, g, peer in touches.ops[:built_at]}
         used = {(names[g], peer, op) for op, g, peer in touches.ops[built_at:]}

@@ -10,28 +10,23 @@ read its outputs (their values went out at the first pass), so it settles them h
 """
 from __future__ import annotations
 
-import sys
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 from torch import Tensor
 
+from seqpipe.core.lazy_classes import is_dtensor, loaded_class
+
 __all__ = ["settle"]
-
-
-def _class(module: str, name: str) -> Any:
-    """``module.name`` if ``module`` is imported (no instance exists before it is)."""
-    return getattr(sys.modules.get(module), name, None)
 
 
 def settle(tensors: Iterable[Optional[Tensor]]) -> None:
     """Wait for the collectives computing ``tensors`` (``DTensor``s: their local shards),
     which will not be read."""
-    pending = _class("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+    pending = loaded_class("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
     if pending is None:  # not imported: no collective is in flight this way
         return
-    dtensor = _class("torch.distributed.tensor", "DTensor")
     for tensor in tensors:
-        if dtensor is not None and isinstance(tensor, dtensor):
+        if is_dtensor(tensor):
             tensor = tensor.to_local()
         if isinstance(tensor, pending):
             tensor.trigger_wait()

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from seqpipe.distributed.fsdp import _is_dtensor
+from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.distributed.pipe import DistributedPipe
 from seqpipe.distributed.ties import canonical_names
 
@@ -304,7 +304,7 @@ def gather_full_state_dict(pipe: DistributedPipe, dst: int = 0) -> Optional[Dict
         raise ValueError(f"dst={dst} is not a stage of this {k}-stage pipeline "
                          f"(give a stage index, 0 to {k - 1})")
     local = pipe.state_dict()
-    if any(_is_dtensor(value) for value in local.values()):  # sharded stages: DCP's helper
+    if any(is_dtensor(value) for value in local.values()):  # sharded stages: DCP's helper
         full = get_model_state_dict(pipe, options=_FULL)  # gathers over their meshes
         local = {name: full[name] for name in local}
     problem = ""

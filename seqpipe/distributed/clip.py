@@ -18,14 +18,14 @@ from typing import AbstractSet, List, Sequence
 import torch
 from torch import Tensor, nn
 
-from seqpipe.distributed.fsdp import _is_dtensor
+from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.distributed.mesh_reduce import MeshReduce
 
 __all__ = ["clip_grad_norm_"]
 
 
 def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def clip_grad_norm_(params: Sequence[nn.Parameter], reduce: MeshReduce, device: torch.device,

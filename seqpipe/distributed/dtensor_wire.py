@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from torch import Size, Tensor
 
+from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.core.stage import Stage
-from seqpipe.distributed.fsdp import _is_dtensor
 from seqpipe.distributed.traced import WHAT
 from seqpipe.distributed.values import Values
 from seqpipe.distributed.wire import Kind, Message
@@ -203,7 +203,7 @@ class Crossing:
         as the ``DTensor`` it is the gradient of. Plain messages pass unchanged."""
         layouts = (self._received.pop(_identity(kind, microbatch, key, origin), None)
                    if self._received and kind in _BACKWARD else None)
-        if layouts is None and not any(map(_is_dtensor, tensors)):  # the usual case: at once
+        if layouts is None and not any(map(is_dtensor, tensors)):  # the usual case: at once
             return tensors, values
         sender, what = name(None), WHAT[kind]
         if kind in _BACKWARD:
@@ -212,7 +212,7 @@ class Crossing:
         described: List[Tuple[int, Any]] = []
         kept: Dict[int, _Layout] = {}
         for j, tensor in enumerate(tensors):
-            if not _is_dtensor(tensor):
+            if not is_dtensor(tensor):
                 continue
             described.append((-1 - j, _describe(tensor, sender, what).text()))
             out[j] = tensor.to_local().detach()  # type: ignore[union-attr]
@@ -281,7 +281,7 @@ class Crossing:
         one of this rank's ``DTensor`` parameters that has them."""
         candidates = [self._mesh] if self._mesh is not None else [
             p.device_mesh for stage in self._stages.values()
-            for p in stage.partition.parameters() if _is_dtensor(p)]
+            for p in stage.partition.parameters() if is_dtensor(p)]
         for mesh in candidates:
             if set(names) <= set(mesh.mesh_dim_names or ()):
                 return mesh if tuple(mesh.mesh_dim_names) == names else mesh[
@@ -305,11 +305,11 @@ def _as_sent(grads: Sequence[Optional[Tensor]], layouts: Dict[int, _Layout], sen
     for j, grad in enumerate(grads):
         layout = layouts.get(j)
         if grad is None or layout is None:
-            if grad is not None and _is_dtensor(grad):
+            if grad is not None and is_dtensor(grad):
                 raise TypeError(f"{sender} would send a DTensor {what} for a plain tensor it "
                                 f"received: its backward made the gradient a DTensor")
             continue
-        if not _is_dtensor(grad):
+        if not is_dtensor(grad):
             raise TypeError(
                 f"{sender} would send a plain {what} ({tuple(grad.shape)}) for a DTensor "
                 f"it received (placements {layout.placements}, global shape "

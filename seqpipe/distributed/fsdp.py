@@ -46,7 +46,6 @@ parameter's gradient is averaged over one of them, so they must be one set of re
 from __future__ import annotations
 
 import functools
-import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
@@ -54,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.core.lazy_classes import is_instance
 from seqpipe.core.loss_weights import Replicas
 from seqpipe.core.stage import Stage
 from seqpipe.distributed.fsdp_verdict import ShardedVerdicts, group_ranks
@@ -65,26 +65,13 @@ if TYPE_CHECKING:
 __all__ = ["ShardedStage", "ShardedStep"]
 
 
-def _instance(value: object, module: str, name: str) -> bool:
-    """``isinstance(value, module.name)`` without importing ``module``: no instance of a
-    class exists before the module defining it is imported. ``torch.distributed.tensor``
-    and ``torch.distributed.fsdp`` pull in sympy (a second or more): a user who shards no
-    stage never pays for them."""
-    cls = getattr(sys.modules.get(module), name, None)
-    return cls is not None and isinstance(value, cls)
-
-
-def _is_dtensor(value: object) -> bool:
-    return _instance(value, "torch.distributed.tensor", "DTensor")
-
-
 def check_parameters(stage: Stage) -> None:
     """Refuse, naming it, a module of ``stage`` wrapped with the DDP-based
     ``torch.distributed._composable.replicate`` (its reducer expects one forward, then one
     backward, per step). FSDP2 (1-D mesh), HSDP (2-D) and the FSDP2-style ``replicate`` are
     driven by ``ShardedStage``."""
     for name, module in stage.partition.named_modules():
-        if _instance(module, "torch.distributed._composable.replicate", "DDP"):
+        if is_instance(module, "torch.distributed._composable.replicate", "DDP"):
             raise NotImplementedError(
                 f"stage {stage.index}: module {name or 'the stage'!r} is wrapped with the "
                 f"DDP-based torch.distributed._composable.replicate, whose reducer expects "
@@ -197,7 +184,7 @@ class ShardedStep:
         self.deferred: Set[int] = set()  # stages reduced at ``finish``, not in the schedule
         for s, stage in stages.items():
             modules = [m for m in stage.partition.modules()
-                       if _instance(m, "torch.distributed.fsdp", "FSDPModule")]
+                       if is_instance(m, "torch.distributed.fsdp", "FSDPModule")]
             if modules:
                 self.stages[s] = ShardedStage(stage, modules)
             else:  # no longer sharded

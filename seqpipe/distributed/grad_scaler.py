@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpipe.distributed.fsdp import _is_dtensor
+from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.distributed.tensor_parallel import local
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def _local_shards(optimizer: torch.optim.Optimizer) -> SimpleNamespace:
     for group in optimizer.param_groups:
         params = []
         for param in group["params"]:
-            if _is_dtensor(param) and param.grad is not None:
+            if is_dtensor(param) and param.grad is not None:
                 shard = local(param)
                 shard.grad = local(param.grad)
                 param = shard

@@ -6,6 +6,11 @@ receive posted ahead from holding up sends the other way). A new process group m
 created by every rank of the world, in the same order, so the second group can only be
 made where every rank takes part: for the whole world, when ``DistributedPipe`` runs on
 it, and for every pipeline of a mesh at once, in ``mesh_groups``.
+
+A pipeline on the whole world keeps ``None`` for its group (``kept``), whichever object
+named it: a ``DeviceMesh`` dimension that spans every rank *is* the default group, and a
+pipe that kept it would keep it alive past the user's ``destroy_process_group()`` (see
+"Ending a script" in docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["mesh_groups", "reverse_group"]
+__all__ = ["kept", "mesh_groups", "reverse_group"]
 
 # Weak keys: a group's second group lives as long as the group, not longer. A strong key
 # would keep the default group (and its gloo worker threads) alive past the user's
@@ -48,6 +53,18 @@ def mesh_groups(mesh: DeviceMesh, pipeline_dim: str = "pp",
         mine = [_new_group(line, group) for line in lines]  # every rank makes every one
         _REVERSE[group] = next(g for g, line in zip(mine, lines) if dist.get_rank() in line)
     return group, mesh.get_group(data_dim)
+
+
+def kept(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """``group`` as a pipe keeps it: ``None`` for the default group (which every
+    ``torch.distributed`` call reads as the default group at call time), else ``group``.
+
+    ``DeviceMesh.get_group`` returns the default group object itself for a dimension that
+    spans every rank (``init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))``, or
+    ``mesh_groups`` of a ``(world, 1)`` mesh); a pipe holding it would keep it, and its gloo
+    worker threads, alive past ``destroy_process_group()`` into the interpreter's teardown.
+    """
+    return None if group is not None and group is dist.group.WORLD else group
 
 
 def reverse_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpipe.distributed.fsdp import _is_dtensor
+from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.distributed.fsdp_verdict import group_ranks
 
 __all__ = ["MeshReduce", "copy_groups"]
@@ -38,7 +38,7 @@ def copy_groups(params: Iterable[Tensor],
         candidates.append(data_parallel_group)
     meshes: Dict[int, object] = {}
     for param in params:
-        if _is_dtensor(param):
+        if is_dtensor(param):
             meshes.setdefault(id(param.device_mesh), param.device_mesh)
     for mesh in meshes.values():
         candidates += [mesh.get_group(d) for d in range(mesh.ndim)]  # type: ignore[attr-defined]
@@ -97,7 +97,7 @@ class MeshReduce:
         along the mesh dimensions it is sharded over, and on the first rank only of each copy
         group it is replicated over (a plain tensor: all of them)."""
         sharded: set = set()
-        if _is_dtensor(tensor):
+        if is_dtensor(tensor):
             mesh = tensor.device_mesh
             for d, placement in enumerate(tensor.placements):
                 if placement.is_partial():

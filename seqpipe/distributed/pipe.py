@@ -31,7 +31,7 @@ from seqpipe.distributed.dtensor_wire import check_mesh
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.lifecycle import CallLifecycle
 from seqpipe.distributed.materialize import materialize
-from seqpipe.distributed.mesh import reverse_group
+from seqpipe.distributed.mesh import kept, reverse_group
 from seqpipe.distributed.mesh_reduce import MeshReduce
 from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
@@ -92,7 +92,7 @@ class DistributedPipe(nn.Module):
             separately (DeepSpeed's ``activation_checkpoint_interval``); default None:
             the whole stage at once.
         deferred_batch_norm: BatchNorm running statistics once per mini-batch.
-        group: the pipeline's process group.
+        group: the pipeline's process group (default: the world, kept as ``None``).
         device: where this stage runs (default: the current CUDA device, else CPU).
         base_seed: layers built on ``meta`` are initialised from seed ``base_seed + i``
             (layer ``i``), so their values do not depend on the split (see
@@ -142,7 +142,7 @@ class DistributedPipe(nn.Module):
             raise RuntimeError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (or launch with "
                                "torchrun), or use seqpipe.Pipe for one process")
-        self.group = group
+        self.group = group = kept(group)  # the default group, however named: None
         self.num_ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if self.rank < 0:

@@ -15,11 +15,13 @@ Messages travel between *ranks*; a rank may hold several stages (interleaved and
 schedules, see ``seqpipe.schedule.Placement``), so a message also names the stage whose
 action sends it (``origin``), and what one stage hands another on the same rank never goes
 on the wire. The list mirrors what ``Call`` does: ``STEP`` from the rank of stage 0 when a
-call opens; for each forward ``F(s, i)``, the outgoing skips (in layout order, to the ranks
-of the stages that pop them) and then the activation (to the rank of stage ``s+1``); for
-each ``B(s, i)`` or ``I(s, i)`` (a ``W`` sends nothing), the input gradient (to the rank of
-stage ``s-1``) and then the skip gradients (in layout order); and at the close, the loss
-from the rank of the last stage and ``DONE`` from the rank that finishes last.
+call opens (first on each of its channels, though sent to a rank its first action does not
+feed only after that action); for each forward ``F(s, i)``, the outgoing skips (in layout
+order, to the ranks of the stages that pop them) and then the activation (to the rank of
+stage ``s+1``); for each ``B(s, i)`` or ``I(s, i)`` (a ``W`` sends nothing), the input
+gradient (to the rank of stage ``s-1``) and then the skip gradients (in layout order); and
+at the close, the loss from the rank of the last stage and ``DONE`` from the rank that
+finishes last.
 
 The pairs of ranks that exchange messages at all (``channels``) are the only ones a
 pipeline ever talks over: it opens their communicators when it is built (NCCL creates one

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import Tensor, nn
 
-from seqpipe.distributed.fsdp import _is_dtensor
+from seqpipe.core.lazy_classes import is_dtensor
 
 __all__ = ["has_dtensors", "init_through_full"]
 
@@ -31,7 +31,7 @@ _Slot = Tuple[Dict[str, Tensor], str, Tensor]  # (module._parameters or _buffers
 
 def has_dtensors(layer: nn.Module) -> bool:
     """Whether any parameter or buffer of ``layer`` is a ``DTensor``."""
-    return any(_is_dtensor(t) for t in (*layer.parameters(), *layer.buffers()))
+    return any(is_dtensor(t) for t in (*layer.parameters(), *layer.buffers()))
 
 
 def _slots(layer: nn.Module) -> List[_Slot]:
@@ -41,7 +41,7 @@ def _slots(layer: nn.Module) -> List[_Slot]:
     for module in layer.modules():
         for table in (module._parameters, module._buffers):
             slots += [(table, name, t) for name, t in table.items()
-                      if t is not None and (_is_dtensor(t) or t.device.type != "cpu")]
+                      if t is not None and (is_dtensor(t) or t.device.type != "cpu")]
     return slots
 
 
@@ -72,7 +72,7 @@ def init_through_full(layer: nn.Module, init: Callable[[nn.Module], None]) -> No
     with torch.no_grad():
         for tensor in {id(t): t for _, _, t in slots}.values():
             value = stand_ins[id(tensor)].detach()
-            if _is_dtensor(tensor):  # every rank drew the same: its shard, no communication
+            if is_dtensor(tensor):  # every rank drew the same: its shard, no communication
                 shard = distribute_tensor(value, tensor.device_mesh, tensor.placements,
                                           src_data_rank=None)
                 tensor.to_local().copy_(shard.to_local())

@@ -6,7 +6,8 @@ A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.
 ``Call`` supplies the transport side. Data comes in through ``Transport`` messages
 (between two stages of one rank, in memory); whatever arrives before it is needed waits
 in an inbox. The rank of stage 0 opens every call by telling the others how many
-micro-batches it has cut; the rank of the last stage closes it by sending the loss, and the
+micro-batches it has cut (those its first action sends to before it, the others right after
+it: ``run_actions``); the rank of the last stage closes it by sending the loss, and the
 rank that finishes last sends "done" to every other rank, so a failure anywhere reaches
 every rank: a failing rank sends an ABORT to the ranks that still expect a message from it,
 and a rank waiting on a peer that reports a failure, or dies, raises and passes it on the
@@ -94,6 +95,8 @@ class Call(Tasks):
     mesh: Optional[DeviceMesh] = None  # DistributedPipe(mesh=...): where a received
     # DTensor is rebuilt
     dtensors: Crossing = field(init=False)  # DTensors across stage boundaries
+    # the rank of stage 0: the call kind it sends with STEP, and the ranks not yet told
+    openings: Optional[Tuple[Tensor, List[int]]] = None
 
     def __post_init__(self) -> None:
         self.dtensors = Crossing(self.stages, self.mesh)
@@ -169,16 +172,10 @@ class Call(Tasks):
         self.inbox[(message.kind, message.microbatch, message.key, message.origin)] = message
 
     def expect(self, src: int, planned: Sequence[Planned]) -> None:
-        """Tell the transport what rank ``src`` will send next; posting a receive from a
-        lost peer fails there and then, and is that peer's failure, as in ``need``."""
-        try:
-            self.transport.expect(src, planned)
-        except PeerError:
-            raise
-        except Exception as exc:
-            raise PeerError(
-                f"{self.name()} lost {self.name(src)} while at {self.action}, posting the "
-                f"receive of its next message: {type(exc).__name__}: {exc}", peer=src) from exc
+        """Tell the transport what rank ``src`` will send next. It posts their receives
+        later (when this rank waits, or needs the message: ``need``, which names a lost
+        peer), so this communicates nothing and cannot fail on a peer."""
+        self.transport.expect(src, planned)
 
     def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
              flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
@@ -213,6 +210,15 @@ class Call(Tasks):
             self.transport.flush()
         except PeerError as exc:
             raise PeerError(f"{self.name()} {exc} (at {self.action})", peer=exc.peer) from exc
+
+    def open_to(self, ranks: Sequence[int]) -> None:
+        """Send the call's STEP message (the micro-batch count and the call kind) to
+        ``ranks`` (the rank of stage 0, from ``openings``)."""
+        assert self.openings is not None
+        told, waiting = self.openings
+        for r in ranks:
+            self.send(r, Kind.STEP, -1, [told], count=self.microbatches)
+        self.openings = (told, [r for r in waiting if r not in ranks])
 
     # -- the transport side of the actions (``Tasks`` runs them) -------------------------
     def receive_forward(self, s: int, i: int, inputs: Optional[Sequence[Batch]]) -> Received:
@@ -284,6 +290,9 @@ class Call(Tasks):
             self.at = action
             try:
                 run(n, action)
+                if n == 0 and self.openings is not None and self.openings[1]:
+                    self.open_to(self.openings[1])  # the ranks not told before (``open``)
+                self.transport.post_due()  # after its sends: the next data flows meanwhile
             except Exception as exc:
                 self._failed(exc, describe(action), action.stage)
                 raise

@@ -34,8 +34,8 @@ from typing import Collection, Dict, Iterable, List
 import torch
 from torch import Tensor, nn
 
+from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.core.stage import Stage
-from seqpipe.distributed.fsdp import _is_dtensor
 
 __all__ = ["as_grad", "local", "reducible"]
 
@@ -43,7 +43,7 @@ __all__ = ["as_grad", "local", "reducible"]
 def local(tensor: Tensor) -> Tensor:
     """The local shard of a ``DTensor`` (sharing its storage: writing it writes the
     ``DTensor``), or ``tensor`` itself."""
-    if not _is_dtensor(tensor):
+    if not is_dtensor(tensor):
         return tensor
     with torch.no_grad():
         return tensor.to_local()
@@ -52,7 +52,7 @@ def local(tensor: Tensor) -> Tensor:
 def as_grad(param: Tensor, shard: Tensor) -> Tensor:
     """``shard`` (a local gradient) as a gradient for ``param``: a ``DTensor`` laid out as
     ``param`` if ``param`` is one, else ``shard`` itself."""
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return shard
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(shard, param.device_mesh, param.placements,

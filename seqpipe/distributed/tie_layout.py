@@ -25,7 +25,7 @@ from typing import Any, Tuple
 import torch
 from torch import Tensor
 
-from seqpipe.distributed.fsdp import _is_dtensor
+from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.distributed.tensor_parallel import local
 
 __all__ = ["full", "layout", "sum_dtype", "write_full"]
@@ -36,7 +36,7 @@ def layout(tensor: Tensor) -> int:
     elements of the same whole tensor: same layout, same place on a mesh of the same
     shape."""
     key: Tuple[Any, ...]
-    if _is_dtensor(tensor):
+    if is_dtensor(tensor):
         mesh = tensor.device_mesh
         key = ("dtensor", tuple(mesh.shape), tuple(str(p) for p in tensor.placements),
                tuple(mesh.get_coordinate() or ()), tuple(local(tensor).shape),
@@ -55,7 +55,7 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
 def full(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     """``tensor``'s whole value as a plain contiguous tensor of ``dtype`` (for a ``DTensor``
     an all-gather over its mesh, which its peers on that mesh join)."""
-    if _is_dtensor(tensor):
+    if is_dtensor(tensor):
         tensor = tensor.full_tensor()
     return tensor.detach().to(dtype).contiguous()
 
@@ -64,7 +64,7 @@ def full(tensor: Tensor, dtype: torch.dtype) -> Tensor:
 def write_full(tensor: Tensor, whole: Tensor) -> None:
     """Set ``tensor`` to ``whole`` (a plain tensor of its global shape): for a ``DTensor``,
     its local part, as its placements cut ``whole`` (no communication)."""
-    if not _is_dtensor(tensor):
+    if not is_dtensor(tensor):
         tensor.copy_(whole)
         return
     from torch.distributed.tensor import DTensor, Replicate
