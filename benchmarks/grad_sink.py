@@ -28,6 +28,11 @@ Two models: ``mlp``, ``benchmarks/overhead.py``'s (8 × (Linear(1024) + ReLU), b
 few, large operations) and ``transformer``, four ``TransformerEncoderLayer(64, 4, 128)``
 on an 8 × 32 × 64 batch (many small operations: the worst case for a per-operation cost).
 
+With ``--stage``, two more: ``stage``, one micro-batch through the stage path that
+``DistributedPipe.train_step`` runs (``StepGrads``, ``Stage.forward`` from a received input,
+``Stage.backward`` without ``inputs=``, as without hooks), against ``plain-seeded``, the plain
+step given the same output gradient and a leaf input.
+
 Targets (issue 24), on the transformer: ``direct / plain`` ≤ 1.02, ``pipe / plain`` ≤ 1.03.
 Ratios are medians of
 per-round ratios, on process CPU time (what a loaded machine disturbs least) and wall.
@@ -47,6 +52,7 @@ from torch import Tensor, nn
 
 import seqpipe.pipe
 from seqpipe import Pipe
+from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import AliasSink, GradSink, open_sink
 
 TARGETS = {"direct": 1.02, "pipe": 1.03}
@@ -81,6 +87,42 @@ def sink_step(model: nn.Module, x: Tensor,
         torch.autograd.backward([out.sum()], inputs=sink.weights(0))
         for param, grad in sink.take():  # Pipe's autograd Function hands them over
             param.grad = grad
+    return step
+
+
+def stage_step(model: nn.Module, x: Tensor) -> Callable[[], None]:
+    """One micro-batch through the stage path ``DistributedPipe.train_step`` runs on a
+    stage (``StepGrads``' sink, ``Stage.forward`` from a received input that wants its
+    gradient back, ``Stage.backward``: without hooks, no ``inputs=``), in one process."""
+    from seqpipe.core.stage import Received, Stage
+    from seqpipe.distributed.accumulate import StepGrads
+    from seqpipe.skip.layout import inspect_skip_layout
+
+    assert isinstance(model, nn.Sequential)
+    layout = inspect_skip_layout(nn.Sequential(nn.Identity(), *model), [1, len(model)])
+    stage = Stage(1, model, torch.device("cpu"), layout)
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        grads = StepGrads(stage, 0)
+        received = Received(Batch((x.detach().requires_grad_(),), True), {}, (True,))
+        sent, state = stage.forward(received, grad=True, sink=grads.sink_for(0))
+        assert state is not None
+        with grads.handing_over(0):
+            stage.backward(state, [torch.ones_like(sent.outputs.tensors[0])], {},
+                           sink=grads.sink_for(0))
+    return step
+
+
+def plain_seeded(model: nn.Module, x: Tensor) -> Callable[[], None]:
+    """The plain model's step as ``stage_step`` seeds it: the output's gradient given, the
+    input a leaf wanting its gradient."""
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        out = model(x.detach().requires_grad_())
+        out.backward(torch.ones_like(out))
     return step
 
 
@@ -121,6 +163,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--model", choices=("mlp", "transformer"), default="transformer")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--stage", action="store_true",
+                        help="also time the distributed stage's path (stage / plain-seeded)")
     args = parser.parse_args(argv)
     pin_malloc()
     torch.set_num_threads(1)
@@ -138,14 +182,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         "pipe/aliases": engine(plain_step(aliased(piped(clone(model))), x)),
         "pipe/engine": engine(plain_step(piped(clone(model)), x)),
     }
+    pairs = [("direct", "plain"), ("aliases", "plain"), ("sink+hook", "plain+hook"),
+             ("pipe", "plain"), ("pipe+hook", "plain+hook"), ("pipe/engine", "plain"),
+             ("pipe/aliases", "plain"), ("pipe", "pipe/engine")]
+    if args.stage:
+        variants["plain-seeded"] = plain_seeded(clone(model), x)
+        variants["stage"] = stage_step(clone(model), x)
+        pairs.append(("stage", "plain-seeded"))
     samples = interleave(variants, rounds=args.rounds, warmup=args.warmup)
     print(f"# {args.model}, {args.rounds} interleaved rounds, one intra-op thread")
     for name, s in samples.items():
         print(f"{name:<12} median {s.median * 1e3:8.2f} ms  "
               f"cpu {statistics.median(s.cpu) * 1e3:8.2f} ms")
-    for a, b in (("direct", "plain"), ("aliases", "plain"), ("sink+hook", "plain+hook"),
-                 ("pipe", "plain"), ("pipe+hook", "plain+hook"), ("pipe/engine", "plain"),
-                 ("pipe/aliases", "plain"), ("pipe", "pipe/engine")):
+    for a, b in pairs:
         cpu = paired_ratio(samples[a], samples[b], cpu=True)
         wall = paired_ratio(samples[a], samples[b])
         print(f"{a} / {b}: CPU time {cpu:.4f}, wall {wall:.4f}")

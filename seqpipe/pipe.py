@@ -256,7 +256,7 @@ class Pipe(nn.Module):
         pipeline = self._pipeline
         if len(pipeline.stages) == 1:  # one micro-batch: maybe the plain model's graph
             grad = torch.is_grad_enabled() and (
-                any(t.requires_grad for t in batch.tensors) or any_trainable(self))
+                any([t.requires_grad for t in batch.tensors]) or any_trainable(self))
             stop = checkpoint_stop(self.checkpoint if self.training and grad else "never", 1)
             if runs_direct(pipeline.stages, given, self.chunks, stop, pipeline.isolate_rng):
                 shape, outputs = run_direct(pipeline.stages[0], given, grad)

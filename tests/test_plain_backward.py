@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+import seqpipe.core.entry
+import seqpipe.core.stage
 from seqpipe import ReentrantCheckpointError
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import step_aware
@@ -97,14 +99,20 @@ def _step(stage: Stage, data: List[List[Tensor]]) -> List[Optional[Tensor]]:
 
 
 def _watched(monkeypatch: pytest.MonkeyPatch) -> List[Any]:
-    """The ``inputs=`` of every ``torch.autograd.backward`` call from now on."""
+    """The ``inputs=`` of every backward from now on (``None``: none), a stage's
+    (``seqpipe.core.autograd_calls.run_backward``, whose ``()`` is none) and any other."""
     seen: List[Any] = []
-    backward = torch.autograd.backward
+    backward, run = torch.autograd.backward, seqpipe.core.stage.run_backward
 
     def watch(*args: Any, **kwargs: Any) -> None:
         seen.append(kwargs.get("inputs"))
         backward(*args, **kwargs)
+
+    def watch_stage(roots: Any, grads: Any, inputs: Any = ()) -> None:
+        seen.append(inputs or None)
+        run(roots, grads, inputs)
     monkeypatch.setattr(torch.autograd, "backward", watch)
+    monkeypatch.setattr(seqpipe.core.stage, "run_backward", watch_stage)
     return seen
 
 
@@ -200,3 +208,25 @@ def test_a_reentrant_checkpoint_trains_under_the_plain_backward_and_is_refused_w
     model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(ReentrantCheckpointError, match="use_reentrant=False"):
         _step(_stage(model), data)
+
+
+@pytest.mark.parametrize("case", ["no hooks", "post-accumulate hook"])
+def test_a_stage_enters_autograd_without_torchs_python_layers(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_Receive`` goes to autograd's C++ ``apply`` and each ``B`` to the engine as
+    ``torch.autograd.backward`` does, without their Python layers
+    (``seqpipe.core.autograd_calls``); the gradients stay the plain model's."""
+    change = CASES[case][0]
+    model, plain = _model(), _model()
+    for m in (model, plain):
+        if change is not None:
+            change(m)
+    data = _data()
+    expected = _plain(plain, data)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("went through torch's Python layer")
+    monkeypatch.setattr(seqpipe.core.entry._Receive, "apply", refuse)
+    monkeypatch.setattr(torch.autograd, "backward", refuse)
+    got = _step(_stage(model), data)
+    _same(model, plain, got, expected)

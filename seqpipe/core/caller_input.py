@@ -31,9 +31,12 @@ __all__ = ["CallerInput"]
 
 def _versions(tensors: Sequence[Tensor]) -> Optional[Tuple[int, ...]]:
     """The tensors' version counters (``None`` for inference tensors, which have none)."""
-    if any(t.is_inference() for t in tensors):
-        return None
-    return tuple(t._version for t in tensors)
+    versions = []
+    for tensor in tensors:  # a loop, not generators: a call's fixed cost
+        if tensor.is_inference():
+            return None
+        versions.append(tensor._version)
+    return tuple(versions)
 
 
 class CallerInput:

@@ -57,10 +57,18 @@ def refusing_reentrant(stage: int, roots: Sequence[GradientEdge]) -> Iterator[No
     try:
         yield
     except RuntimeError as error:
-        if any(getattr(node, "_forward_cls", None) is CheckpointFunction
-               for node in reachable(roots)):
-            raise ReentrantCheckpointError(stage) from error
+        check_reentrant(stage, roots, error)
         raise
+
+
+def check_reentrant(stage: int, roots: Sequence[GradientEdge], error: RuntimeError) -> None:
+    """After a backward of stage ``stage`` from ``roots`` raised ``error``: raise a
+    ``ReentrantCheckpointError`` (from it) where the graph holds a reentrant checkpoint;
+    else return (the caller re-raises ``error``). ``refusing_reentrant``, for a caller
+    that saves a generator's cost per backward."""
+    if any(getattr(node, "_forward_cls", None) is CheckpointFunction
+           for node in reachable(roots)):
+        raise ReentrantCheckpointError(stage) from error
 
 
 def check_mode(mode: object) -> str:
@@ -73,8 +81,9 @@ def check_mode(mode: object) -> str:
 
 def checkpoint_stop(mode: str, num_microbatches: int) -> int:
     """How many leading micro-batches are checkpointed under ``mode``."""
-    return {"always": num_microbatches, "except_last": num_microbatches - 1,
-            "never": 0}[mode]
+    if mode == "never":  # (no dict made per call: a call's fixed cost)
+        return 0
+    return {"always": num_microbatches, "except_last": num_microbatches - 1}[mode]
 
 
 def _recompute(label: Optional[hooks.Label]) -> ContextManager[Any]:

@@ -18,6 +18,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from seqpipe.core.autograd_calls import apply_function
+
 __all__ = ["Entry", "enter"]
 
 
@@ -41,8 +43,9 @@ class _Receive(torch.autograd.Function):
     def forward(ctx: Any, phony: Tensor, box: _Box) -> Tuple[Tensor, ...]:  # type: ignore[override]
         ctx.box = box
         ctx.set_materialize_grads(False)
-        outputs = tuple(t.detach() for t in box.tensors)
-        ctx.mark_non_differentiable(*(t for t, f in zip(outputs, box.flags) if not f))
+        outputs = tuple([t.detach() for t in box.tensors])
+        if not all(box.flags):  # usually every one wants its gradient: nothing to mark
+            ctx.mark_non_differentiable(*[t for t, f in zip(outputs, box.flags) if not f])
         return outputs
 
     @staticmethod
@@ -74,13 +77,15 @@ def enter(incoming: List[Optional[Tensor]], flags: Sequence[bool],
           device: torch.device) -> Entry:
     """Make the tensors in ``incoming`` (replaced in the list) the inputs of a graph whose
     gradients, for those ``flags`` marks, land in the returned entry's box."""
-    entry = Entry([i for i, t in enumerate(incoming) if t is not None])
-    if not any(flags[i] for i in entry.present):
+    present = [i for i, t in enumerate(incoming) if t is not None]
+    entry = Entry(present)
+    wanted = [flags[i] for i in present]
+    if not any(wanted):
         return entry
-    entry.box = _Box([incoming[i] for i in entry.present],  # type: ignore[misc]
-                     [flags[i] for i in entry.present])
+    entry.box = _Box([incoming[i] for i in present], wanted)  # type: ignore[misc]
     entry.phony = torch.empty(0, device=device, requires_grad=True)
-    for i, t in zip(entry.present, _Receive.apply(entry.phony, entry.box)):
+    # Straight to autograd's C++ apply (the arguments are a fresh leaf and a box).
+    for i, t in zip(present, apply_function(_Receive, entry.phony, entry.box)):
         incoming[i] = t
         if entry.node is None and t.grad_fn is not None:
             entry.node = t.grad_fn

@@ -53,13 +53,20 @@ need it: docs/pipe.md gives the measured figures.
 """
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+from seqpipe.core.trainable import (
+    Trainable,
+    ddp_forward_running,
+    needs_aliases,
+    step_aware,
+    trainable,
+)
 
 __all__ = ["GradSink", "AliasSink", "DirectSink", "ddp_forward_running", "open_sink",
            "needs_aliases", "step_aware", "trainable"]
@@ -208,15 +215,6 @@ class GradSink:
         raise NotImplementedError
 
 
-Trainable = List[List[nn.Parameter]]  # per partition, its parameters that require grad
-
-
-def trainable(partitions: Sequence[nn.Module]) -> Trainable:
-    """Per partition, its parameters that require grad (a parameter shared by two listed
-    under both)."""
-    return [[p for p in partition.parameters() if p.requires_grad] for partition in partitions]
-
-
 class AliasSink(GradSink):
     """Leaf aliases of the trainable parameters of ``partitions``, for one pipeline call."""
 
@@ -285,13 +283,17 @@ class DirectSink(GradSink):
 
     def __init__(self, partitions: Sequence[nn.Module], own: Optional[Trainable] = None) -> None:
         own = trainable(partitions) if own is None else own
-        self.params = list({id(p): p for mine in own for p in mine}.values())
-        # A layer may use another partition's parameter (a plain attribute): each stage's
-        # backward reaches every parameter of the pipeline it used.
-        ids = [{id(p) for p in mine} for mine in own]
-        self._weights = [[*mine, *(p for p in self.params if id(p) not in seen)]
-                         for mine, seen in zip(own, ids)]
-        self._before: Optional[List[Tuple[nn.Parameter, Optional[Tensor]]]] = None
+        if len(own) == 1:  # one partition (a one-stage call, a distributed stage's step)
+            self.params = list(own[0])
+            self._weights = [self.params]
+        else:
+            self.params = list({id(p): p for mine in own for p in mine}.values())
+            # A layer may use another partition's parameter (a plain attribute): each
+            # stage's backward reaches every parameter of the pipeline it used.
+            ids = [{id(p) for p in mine} for mine in own]
+            self._weights = [[*mine, *(p for p in self.params if id(p) not in seen)]
+                             for mine, seen in zip(own, ids)]
+        self._before: Optional[List[Tuple[nn.Parameter, Tensor]]] = None  # see ``hold``
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
         """Run ``partition`` on ``args``, as the unpipelined model would."""
@@ -305,69 +307,35 @@ class DirectSink(GradSink):
     def hold(self) -> None:
         """From now until ``take``, ``.grad`` holds this call's sums only: the values before
         are put aside (the local engine's autograd Function hands the sums to autograd)."""
-        self._before = [(p, p.grad) for p in self.params]
-        for param, grad in self._before:
+        before: List[Tuple[nn.Parameter, Tensor]] = []
+        for param in self.params:
+            grad = param.grad
             if grad is not None:
+                before.append((param, grad))
                 param.grad = None
+        self._before = before
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """After ``hold``: each parameter with its summed gradient, and ``.grad`` as it was
         before ``hold``. Without it: nothing (the sums are in ``.grad`` already)."""
         before, self._before = self._before, None
+        if before is None:
+            return []
         pairs = []
-        for param, grad in before or ():
+        for param in self.params:
             summed = param.grad
             if summed is not None:
                 pairs.append((param, summed))
-                param.grad = grad
-            elif grad is not None:
-                param.grad = grad
+                param.grad = None
+        for param, grad in before:
+            param.grad = grad
         return pairs
-
-
-# The attribute that marks a hook as ``step_aware``.
-_STEP_AWARE = "_seqpipe_step_aware"
-
-
-def step_aware(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a parameter hook that knows when a step's gradient is final (a data-parallel
-    reducer armed for the stage's last backward) and may therefore fire once per
-    micro-batch: it does not make ``needs_aliases`` true."""
-    setattr(hook, _STEP_AWARE, True)
-    return hook
-
-
-def _has_hooks(param: Tensor) -> bool:
-    for hooks in (param._backward_hooks, param._post_accumulate_grad_hooks):
-        if hooks and not all(getattr(h, _STEP_AWARE, False) for h in hooks.values()):
-            return True
-    return False
-
-
-def ddp_forward_running() -> bool:
-    """Whether a ``DistributedDataParallel`` forward is running (its reducer then expects
-    each parameter's gradient once, through hooks no Python attribute shows). Looked up,
-    not imported: a process that never imported DDP runs none."""
-    ddp = sys.modules.get("torch.nn.parallel.distributed")
-    cls = getattr(ddp, "DistributedDataParallel", None)
-    return getattr(cls, "_active_ddp_module", None) is not None
-
-
-def needs_aliases(params: Iterable[Tensor]) -> bool:
-    """Whether a step over ``params`` must keep its micro-batches' gradients away from the
-    parameters (an ``AliasSink``): some parameter has a hook (``register_hook``,
-    ``register_post_accumulate_grad_hook``) that is not ``step_aware``, or a
-    ``DistributedDataParallel`` forward is running."""
-    with torch._C.DisableTorchFunctionSubclass():  # a subclass's override sees no lookups
-        if any(_has_hooks(p) for p in params):
-            return True
-    return ddp_forward_running()
 
 
 def open_sink(partitions: Sequence[nn.Module]) -> GradSink:
     """The sink for one call over ``partitions``: an ``AliasSink`` where ``needs_aliases``
     says so, else a ``DirectSink`` (no cost per torch operation)."""
     own = trainable(partitions)
-    if needs_aliases(p for mine in own for p in mine):
+    if needs_aliases(own[0] if len(own) == 1 else [p for mine in own for p in mine]):
         return AliasSink(partitions, own)
     return DirectSink(partitions, own)

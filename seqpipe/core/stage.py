@@ -21,9 +21,17 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from seqpipe.core.autograd_calls import run_backward
 from seqpipe.core.batchnorm import end_statistics
+from seqpipe.core.boundary import Grads, Received, moved, wants_grad
 from seqpipe.core.caller_input import CallerInput
-from seqpipe.core.checkpoint import Replay, first_pass, refusing_reentrant, run_task
+from seqpipe.core.checkpoint import (
+    Replay,
+    check_reentrant,
+    first_pass,
+    refusing_reentrant,
+    run_task,
+)
 from seqpipe.core.entry import Entry, enter
 from seqpipe.core.in_flight import settle
 from seqpipe.core.microbatch import Batch
@@ -32,38 +40,12 @@ from seqpipe.core.saved import SavedTensors
 from seqpipe.core.segments import run_segments, segments_of, skips_between
 from seqpipe.core.sink import GradSink
 from seqpipe.core.split_backward import SplitBackward, autograd_inputs
-from seqpipe.core.stream import move
 from seqpipe.skip.layout import SkipLayout
-from seqpipe.skip.tracker import SkipKey, StageSkipTracker, use_skip_tracker
+from seqpipe.skip.tracker import SkipKey, StageSkipTracker, swap_skip_tracker
 
 __all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "moved", "wants_grad"]
 
 Crossing = Callable[[SkipKey], bool]
-
-
-def wants_grad(tensor: Optional[Tensor]) -> bool:
-    """Whether a tensor crossing a stage boundary carries a gradient back."""
-    return tensor is not None and tensor.requires_grad and (
-        tensor.is_floating_point() or tensor.is_complex())
-
-
-def moved(batch: Batch, device: torch.device) -> Tuple[Batch, Tuple[bool, ...]]:
-    """``batch`` arriving on ``device``, and whether each of its tensors wants a gradient."""
-    tensors = tuple(move(t, device) for t in batch.tensors)
-    return batch.like(tensors), tuple(wants_grad(t) for t in batch.tensors)  # type: ignore[arg-type]
-
-
-@dataclass
-class Received:
-    """What a stage gets for one micro-batch: its input and the skips popped in it.
-
-    ``grad_flags`` says, for each input tensor then each skip (in ``skips`` order), whether
-    the sender wants its gradient back.
-    """
-
-    inputs: Batch
-    skips: Dict[SkipKey, Optional[Tensor]]
-    grad_flags: Tuple[bool, ...]
 
 
 @dataclass
@@ -80,14 +62,6 @@ class Sent:
         if self.replayed:
             return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
         return wants_grad(tensor)
-
-
-@dataclass
-class Grads:
-    """Gradients flowing backward for one micro-batch: for a stage's inputs and skips."""
-
-    inputs: Tuple[Optional[Tensor], ...]
-    skips: Dict[SkipKey, Optional[Tensor]]
 
 
 @dataclass
@@ -125,7 +99,15 @@ class _Pending:
 
 
 def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
-    return get_gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
+    return _gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
+
+
+def _gradient_edge(tensor: Tensor) -> GradientEdge:
+    """``get_gradient_edge(tensor)``, made directly for a C++ node (per micro-batch)."""
+    node = tensor.grad_fn
+    if node is None or isinstance(node, torch._C._FunctionBase):  # a leaf, a Python node
+        return get_gradient_edge(tensor)  # (which keeps a Python node's graph alive)
+    return GradientEdge(node, tensor.output_nr)
 
 
 class Stage:
@@ -181,7 +163,7 @@ class Stage:
 
         def run(*tensors: Tensor) -> Any:
             if self.caller_input is not None:  # the caller's input: copied if written
-                modes = tuple(layer.training for layer in self.partition)
+                modes = tuple([layer.training for layer in self.partition._modules.values()])
                 return self.caller_input.run(tensors, modes, protect, call)
             return call(tuple(t.clone() for t in tensors) if protect else tensors)
         return run
@@ -196,10 +178,13 @@ class Stage:
                 sink: Optional[GradSink]) -> Callable[[nn.Module, Any], Any]:
         """Runs some of the partition's layers (all, or a segment) with the task's tracker."""
         def call(layers: nn.Module, value: Any) -> Any:
-            with use_skip_tracker(tracker):
+            previous = swap_skip_tracker(tracker)  # use_skip_tracker, without a generator
+            try:
                 if sink is None:
                     return layers(value)
                 return sink.call(self.index, layers, value)
+            finally:
+                swap_skip_tracker(previous)
         return call
 
     def forward(self, received: Received, *, grad: bool, checkpoint: bool = False,
@@ -220,7 +205,9 @@ class Stage:
                 out = run_task(self._call(tracker, received.inputs),
                                received.inputs.tensors, checkpoint=False, seed=seed)
             return self._sent(out, tracker), None
-        with torch.enable_grad():  # also inside autograd.Function.forward, where it is off
+        if torch.is_grad_enabled():  # (enable_grad's object costs a few µs per task)
+            return self._forward_with_grad(received, checkpoint, seed, sink, split=split)
+        with torch.enable_grad():  # inside autograd.Function.forward, where it is off
             return self._forward_with_grad(received, checkpoint, seed, sink, split=split)
 
     def _forward_to_replay(self, received: Received, seed: Optional[int],
@@ -289,7 +276,7 @@ class Stage:
         if state.replay is None:
             with state.recording():
                 loss = compute(sent.outputs)
-            state.roots = [get_gradient_edge(loss)]
+            state.roots = [_gradient_edge(loss)]
             return loss
         tensors: List[Optional[Tensor]] = list(sent.outputs.tensors)
         head = TaskState(len(tensors), (), saved=SavedTensors())
@@ -314,11 +301,20 @@ class Stage:
         """
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         phony = state.entry.phony
-        wrt = ([phony] if phony is not None else []) + self._weights(sink)
+        wrt = self._weights(sink)
+        if phony is not None:
+            wrt = [phony, *wrt]
         if roots and wrt:
-            only = None if sink is not None and sink.plain else autograd_inputs(wrt)
-            with self._backpropagating(state):
-                torch.autograd.backward(roots, grads, inputs=only)
+            only = () if sink is not None and sink.plain else autograd_inputs(wrt)
+            try:  # _backpropagating, without its generators' cost per micro-batch
+                if state.stream is None:
+                    run_backward(roots, grads, only)
+                else:
+                    with backward_stream(state.stream):
+                        run_backward(roots, grads, only)
+            except RuntimeError as error:
+                check_reentrant(self.index, state.edges(), error)
+                raise
         return self._received_grads(state)
 
     @contextmanager

@@ -38,8 +38,8 @@ aliases, FSDP2's and tensor-parallel stages, and in ``Pipe`` (docs/pipe.md says 
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator, List, Optional, Tuple
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,8 @@ from seqpipe.core.sink import AliasSink, GradSink, open_sink
 from seqpipe.core.stage import Stage
 
 __all__ = ["StepGrads"]
+
+_NOTHING: ContextManager[None] = nullcontext()  # reentrant and reusable: one for every call
 
 
 class StepGrads:
@@ -67,14 +69,17 @@ class StepGrads:
         """Where ``microbatch``'s parameter gradients accumulate (``None``: ``.grad``)."""
         return None if self.aliased and microbatch == self.last else self.sink
 
-    @contextmanager
-    def handing_over(self, microbatch: int) -> Iterator[None]:
+    def handing_over(self, microbatch: int) -> ContextManager[None]:
         """Around ``microbatch``'s backward. For the last one: add the other micro-batches'
         sums to ``.grad`` before it, and fire the hooks of the parameters it did not
-        reach after it."""
+        reach after it. For the others (and without aliases): nothing, and no generator
+        made per micro-batch."""
         if microbatch != self.last or not self.aliased:
-            yield
-            return
+            return _NOTHING
+        return self._handing_over_last()
+
+    @contextmanager
+    def _handing_over_last(self) -> Iterator[None]:
         preloaded: List[Tuple[nn.Parameter, Tensor, int]] = []
         firsts: List[_AddFirst] = []
         for param, grad in self.sink.take():

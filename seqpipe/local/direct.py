@@ -33,6 +33,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from seqpipe.core.autograd_calls import apply_function
 from seqpipe.core.microbatch import Batch, Input, gather
 from seqpipe.core.sink import ddp_forward_running
 from seqpipe.core.stage import Stage, wants_grad
@@ -53,8 +54,9 @@ def pipeline_outputs(ctx: Any, outputs: Tuple[Tensor, ...]) -> Tuple[Tensor, ...
     """In the forward of the Function that hands a call's outputs to the caller: no
     zero-filled gradients, and the outputs that cannot have one marked so."""
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*(t for t in outputs
-                                  if not (t.is_floating_point() or t.is_complex())))
+    fixed = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
+    if fixed:  # (usually none: no call)
+        ctx.mark_non_differentiable(*fixed)
     return outputs
 
 
@@ -92,7 +94,7 @@ class _Exit(torch.autograd.Function):
     def forward(ctx: Any, used: List[bool], phony: Tensor,  # type: ignore[override]
                 *tensors: Tensor) -> Tuple[Tensor, ...]:
         ctx.used = used
-        return pipeline_outputs(ctx, tuple(t.detach() for t in tensors))
+        return pipeline_outputs(ctx, tuple([t.detach() for t in tensors]))
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
@@ -114,7 +116,10 @@ def runs_direct(stages: Sequence[Stage], given: Input, chunks: int, checkpoint_s
         return False
     if chunks != 1 and given.size != 1:
         return False
-    return all(t.is_cpu for t in given.batch.tensors)
+    for tensor in given.batch.tensors:  # a loop, not a generator: a call's fixed cost
+        if not tensor.is_cpu:
+            return False
+    return True
 
 
 def any_trainable(module: nn.Module) -> bool:
@@ -124,20 +129,27 @@ def any_trainable(module: nn.Module) -> bool:
     for param in module._parameters.values():
         if param is not None and param.requires_grad:
             return True
-    return any(child is not None and any_trainable(child) for child in module._modules.values())
+    for child in module._modules.values():
+        if child is not None and any_trainable(child):
+            return True
+    return False
 
 
 def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Tensor, ...]]:
     """Run ``stage``'s partition on ``given`` as one micro-batch in the caller's graph (with
-    ``grad``; else under ``no_grad``); its deferred BatchNorm statistics committed (or
-    dropped on failure). Returns the output's shape (its tensors left out) and tensors."""
+    ``grad``, which only a caller in grad mode gives; else under ``no_grad``); its deferred
+    BatchNorm statistics committed (or dropped on failure). Returns the output's shape (its
+    tensors left out) and tensors."""
     tensors = given.batch.tensors
-    if grad and any(wants_grad(t) for t in tensors):
+    if grad and any([wants_grad(t) for t in tensors]):
         tensors = _Enter.apply(*tensors)
     tracker = StageSkipTracker(stage.crossing, {})
     try:
-        with torch.enable_grad() if grad else torch.no_grad():
+        if grad:  # grad mode is on already (``Pipe._run`` asked)
             sent = stage.run_inline(given.batch.like(tensors), tracker)
+        else:
+            with torch.no_grad():
+                sent = stage.run_inline(given.batch.like(tensors), tracker)
     except BaseException as exc:
         stage.finish_forward(failed=True)
         if isinstance(exc, Exception):
@@ -145,19 +157,10 @@ def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Ten
                          f"micro-batch 0")
         raise
     stage.finish_forward()
-    gathered = Batch.of(gather([sent.outputs]))
+    gathered = sent.outputs
+    if not gathered.atomic or not gathered.tensors[0].dim():  # else one tensor: as it is
+        gathered = Batch.of(gather([gathered]))  # the checks and their errors
     if not grad:
         return gathered.like(()), tuple(t.detach() for t in gathered.tensors)
     # The outputs require grad, as the engine's, even where the partition's do not.
-    return gathered.like(()), _apply(_Exit, [False], _PHONY, *gathered.tensors)
-
-
-def _apply(function: Any, *args: Any) -> Any:
-    """``function.apply(*args)`` without ``Function.apply``'s Python layer (a call's fixed
-    cost) where that layer does nothing: no functorch transform is active, ``function`` has
-    no ``setup_context``, and ``args`` are a partition's outputs (the dead functorch
-    wrappers that layer unwraps come only out of a transform, which nothing runs here; the
-    caller's inputs go through ``apply``)."""
-    if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*args)
+    return gathered.like(()), apply_function(_Exit, [False], _PHONY, *gathered.tensors)

@@ -33,6 +33,8 @@ from seqpipe.trace.events import EventKind, What
 
 __all__ = ["LocalRun", "LocalStep"]
 
+_SAME_DEVICE = nullcontext()  # reusable and reentrant: one for every such action
+
 
 @dataclass
 class LocalRun:
@@ -162,7 +164,7 @@ class LocalStep(Tasks):
         def execute(action: Action) -> None:
             assert action.stage is not None
             own = self.stages[action.stage].device
-            with nullcontext() if own == device else device_context(own):
+            with _SAME_DEVICE if own == device else device_context(own):
                 self.run(action, None, targets, loss_fn, weights)
 
         return Program(first, actions, self.awaits, execute, device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -29,6 +29,8 @@ from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
 
 __all__ = ["Mailbox", "Program", "device_context", "run_groups"]
+
+_NOTHING = nullcontext()  # reusable and reentrant: one for every CPU action
 
 
 class _Aborted(Exception):
@@ -89,7 +91,7 @@ class Program:
 def device_context(device: torch.device) -> Any:
     """``device`` current inside the block (nothing to do for the CPU)."""
     if device.type == "cpu" or device.index is None:
-        return ExitStack()
+        return _NOTHING
     return torch.accelerator.device_index(device.index)
 
 

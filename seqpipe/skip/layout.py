@@ -72,6 +72,10 @@ class SkipLayout:
     balance: tuple[int, ...]
     skips: tuple[Skip, ...]
     _index: Mapping[SkipKey, Skip] = field(init=False, repr=False, compare=False)
+    # Per partition, the skips that leave it and those that arrive in it: asked for at
+    # every micro-batch's send and receive, so made once.
+    _leaving: tuple[tuple[Skip, ...], ...] = field(init=False, repr=False, compare=False)
+    _arriving: tuple[tuple[Skip, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         skips = tuple(sorted(self.skips, key=_order))
@@ -81,6 +85,12 @@ class SkipLayout:
         object.__setattr__(self, "balance", tuple(self.balance))
         object.__setattr__(self, "skips", skips)
         object.__setattr__(self, "_index", MappingProxyType(index))
+        parts = range(len(self.balance))
+        crossing = [s for s in skips if s.crosses]
+        object.__setattr__(self, "_leaving", tuple(
+            tuple(s for s in crossing if s.stash_partition == p) for p in parts))
+        object.__setattr__(self, "_arriving", tuple(
+            tuple(s for s in crossing if s.pop_partition == p) for p in parts))
 
     @property
     def num_partitions(self) -> int:
@@ -124,12 +134,12 @@ class SkipLayout:
     def skips_stashed_by(self, partition: int) -> list[Skip]:
         """Skips stashed in ``partition`` and popped in another one (they leave it)."""
         self._check_partition(partition)
-        return [s for s in self.skips if s.crosses and s.stash_partition == partition]
+        return list(self._leaving[partition])
 
     def skips_popped_by(self, partition: int) -> list[Skip]:
         """Skips popped in ``partition`` and stashed in another one (they arrive in it)."""
         self._check_partition(partition)
-        return [s for s in self.skips if s.crosses and s.pop_partition == partition]
+        return list(self._arriving[partition])
 
     def local_skips(self, partition: int) -> list[Skip]:
         """Skips stashed and popped inside ``partition``."""
@@ -141,7 +151,7 @@ class SkipLayout:
         return tuple(skip.structure() for skip in self.skips)
 
     def _check_partition(self, partition: int) -> None:
-        if not 0 <= partition < self.num_partitions:
+        if not 0 <= partition < len(self.balance):
             raise ValueError(f"partition {partition} out of range: the layout has "
                              f"{self.num_partitions} partitions")
 

@@ -18,7 +18,7 @@ from seqpipe.core.flags import is_checkpointing, is_recomputing
 from seqpipe.skip.namespace import Namespace
 
 __all__ = ["SkipKey", "SkipTracker", "StageSkipTracker", "current_skip_tracker",
-           "use_skip_tracker"]
+           "swap_skip_tracker", "use_skip_tracker"]
 
 SkipKey = Tuple[Namespace, str]
 
@@ -71,12 +71,21 @@ def current_skip_tracker() -> SkipTracker:
 @contextmanager
 def use_skip_tracker(tracker: SkipTracker) -> Iterator[None]:
     """Make ``tracker`` the current one in this thread for the duration of the block."""
-    previous = getattr(_local, "tracker", None)
-    _local.tracker = tracker
+    previous = swap_skip_tracker(tracker)
     try:
         yield
     finally:
-        _local.tracker = previous
+        swap_skip_tracker(previous)
+
+
+def swap_skip_tracker(tracker: Optional[SkipTracker]) -> Optional[SkipTracker]:
+    """Make ``tracker`` the current one in this thread (``None``: the thread's own, made
+    afresh when next asked for); return the one it replaces, to swap back in a
+    ``finally``. ``use_skip_tracker`` without a generator's cost, for the engines' calls
+    of every layer run."""
+    previous = getattr(_local, "tracker", None)
+    _local.tracker = tracker
+    return previous
 
 
 class StageSkipTracker(SkipTracker):
