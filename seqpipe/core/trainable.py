@@ -9,11 +9,12 @@ and ~20 µs this way, the hook check ~12 µs and ~6 µs.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Iterable, List, Sequence, Set
 
 import torch
 from torch import Tensor, nn
+
+from seqpipe.core.lazy_classes import loaded_class
 
 __all__ = ["Trainable", "ddp_forward_running", "needs_aliases", "step_aware", "trainable"]
 
@@ -71,8 +72,7 @@ def ddp_forward_running() -> bool:
     """Whether a ``DistributedDataParallel`` forward is running (its reducer then expects
     each parameter's gradient once, through hooks no Python attribute shows). Looked up,
     not imported: a process that never imported DDP runs none."""
-    ddp = sys.modules.get("torch.nn.parallel.distributed")
-    cls = getattr(ddp, "DistributedDataParallel", None)
+    cls = loaded_class("torch.nn.parallel.distributed", "DistributedDataParallel")
     return getattr(cls, "_active_ddp_module", None) is not None
 
 
