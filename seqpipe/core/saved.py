@@ -157,8 +157,6 @@ class SavedTensors:
         a split backward's ``W`` calls itself: autograd frees only what the nodes its
         engine runs saved). Each saved tensor has a holder of its own, so no other node
         reads these."""
-        if _READABLE:
-            return [p for p in _packed(node) if isinstance(p, _Held)]
         return list(self._holders((node,)).values())
 
     @staticmethod

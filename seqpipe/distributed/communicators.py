@@ -28,6 +28,8 @@ class _Ends(Protocol):
 
     def global_rank(self, stage: int) -> int: ...
 
+    def group_between(self, src: int, dst: int) -> Optional[dist.ProcessGroup]: ...
+
     def _wait(self, work: Any) -> None: ...
 
 
@@ -47,11 +49,10 @@ def open_pairs(transport: _Ends, channels: Iterable[Tuple[int, int]]) -> None:
         links.setdefault((int(on_reverse), min(src, dst), max(src, dst)), (src, dst))
     token = torch.zeros(1, dtype=torch.uint8, device=transport.device)
     for _, (src, dst) in sorted(links.items()):
+        group = transport.group_between(src, dst)
         if transport.index == src:
-            group = transport.group if dst > src else transport.reverse
             work = dist.isend(token, dst=transport.global_rank(dst), group=group)
         elif transport.index == dst:
-            group = transport.group if src < dst else transport.reverse
             work = dist.irecv(token, src=transport.global_rank(src), group=group)
         else:
             continue

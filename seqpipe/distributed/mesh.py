@@ -64,7 +64,7 @@ def kept(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     ``mesh_groups`` of a ``(world, 1)`` mesh); a pipe holding it would keep it, and its gloo
     worker threads, alive past ``destroy_process_group()`` into the interpreter's teardown.
     """
-    return None if group is not None and group is dist.group.WORLD else group
+    return None if group is dist.group.WORLD else group
 
 
 def reverse_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:

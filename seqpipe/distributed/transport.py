@@ -182,21 +182,22 @@ class Transport:
                 if self.group is not None else stage
         return self._globals[stage]
 
+    def group_between(self, src: int, dst: int) -> Optional[dist.ProcessGroup]:
+        """The group carrying messages from stage ``src`` to stage ``dst``: one per direction."""
+        return self.group if src < dst else self.reverse
+
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
-        group = self.group if stage > self.index else self.reverse  # one group per direction
-        work = _started(dist.isend(buffer, dst=self.global_rank(stage), group=group))
+        work = _started(dist.isend(buffer, dst=self.global_rank(stage),
+                                   group=self.group_between(self.index, stage)))
         self.sent_bytes += buffer.numel()
         self._pending[stage].append((taken_at, work, buffer))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
-        group = self.group if stage < self.index else self.reverse
-        return _started(dist.irecv(buffer, src=self.global_rank(stage), group=group))
+        return _started(dist.irecv(buffer, src=self.global_rank(stage),
+                                   group=self.group_between(stage, self.index)))
 
     def _wait(self, work: dist.Work) -> None:
-        if self.timeout is None:
-            work.wait()
-        else:
-            work.wait(self.timeout)
+        work.wait() if self.timeout is None else work.wait(self.timeout)
 
     def post_due(self) -> None:
         """Post the receives put off so far (the rank is about to wait, or ended an action).
