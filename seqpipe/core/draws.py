@@ -12,13 +12,15 @@ checkpoint saves or restores their state, which another thread may be drawing fr
 "Cannot draw" is decided per task, from what is there at that moment, and only where it
 is certain: every module is exactly one of the ``torch.nn`` classes below (a subclass, a
 parametrized module or a user's own class may do anything), none has its own ``forward``
-attribute or a forward hook, and no global forward hook is registered. Anything else
-keeps the private stream.
+attribute or a forward hook, no global forward hook is registered, and no
+``TorchFunctionMode`` or ``TorchDispatchMode`` is active (the caller's modes are carried to
+the workers, and one may draw). Anything else keeps the private stream.
 """
 from __future__ import annotations
 
 from typing import FrozenSet, Set, Type
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
@@ -57,8 +59,9 @@ _QUIET: FrozenSet[Type[nn.Module]] = frozenset({
 def draws_nothing(module: nn.Module) -> bool:
     """Whether running ``module`` certainly calls no random op (see the module docstring).
     Walked at every task, without generators (a task's fixed cost: a few µs)."""
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return False
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks or \
+            torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return False  # (a mode of the caller's, carried to the worker, may draw)
     return _quiet(module, set())
 
 
