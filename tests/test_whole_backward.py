@@ -17,9 +17,10 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 import seqpipe.core.stage
-from seqpipe import Pipe
+from seqpipe import Pipe, ReentrantCheckpointError
 from seqpipe.local.pipeline import LocalPipeline
 
 DTYPE = torch.float64
@@ -179,3 +180,30 @@ def test_a_failed_whole_backward_leaves_grads_none() -> None:
     with pytest.raises(ValueError, match="no gradient today"):
         pipe(_x()).square().mean().backward()
     assert all(grad is None for grad in _grads(model).values())
+
+
+class _Reentrant(nn.Module):
+    """A layer that checkpoints itself the reentrant way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8).to(DTYPE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.lin, x, use_reentrant=True)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_a_reentrant_checkpoint_trains_under_a_whole_backward_only() -> None:
+    """As in the plain model; with ``inputs=`` the stage refuses it by name, as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), _Reentrant(), nn.Tanh(), nn.Linear(8, 3)).to(DTYPE)
+    plain = copy.deepcopy(model)
+    x = _x()
+    plain(x).square().mean().backward()
+    pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"])
+    pipe(x).square().mean().backward()
+    for name, param in plain.named_parameters():
+        _close(_grads(model)[name], param.grad, name)
+    with pytest.raises(ReentrantCheckpointError, match="use_reentrant=False"):
+        pipe(x).square().mean().backward(inputs=[model[0].weight])
