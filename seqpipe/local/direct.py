@@ -106,8 +106,10 @@ def whole_backward() -> bool:
     ``torch.autograd.graph.register_multi_grad_hook`` asks it): a call with ``inputs``
     executes only the nodes on the paths to them, and no caller can name ``PHONY``'s
     gradient accumulator among its inputs, so it is executed exactly when every node is.
-    ``False`` where torch cannot tell (the question is then not asked)."""
-    return _will_execute is not None and _will_execute(_PHONY_NODE)
+    ``False`` where torch cannot tell (no such function, or no graph task running, as
+    under compiled autograd): the question is then not asked."""
+    return _will_execute is not None and torch._C._current_graph_task_id() != -1 and \
+        _will_execute(_PHONY_NODE)
 
 
 class _Exit(torch.autograd.Function):
