@@ -12,7 +12,9 @@ batch 32) trained with SGD:
 * ``plain``: the model itself (forward, ``cross_entropy``, backward, ``opt.step()``);
 * ``ts1``, ``ts2``: ``Pipe.train_step`` (1F1B, as ``python -m seqpipe`` runs it) over one
   partition and over two (``balance_by_size``), ``chunks=1``;
-* ``fb2``: two partitions, ``pipe(x)`` then ``loss.backward()``.
+* ``fb2``: two partitions, ``pipe(x)`` then ``loss.backward()``;
+* ``ts2/streams``: ``ts2`` with the private random streams forced on every task (what
+  every two-partition step paid before ``seqpipe/core/draws.py``).
 
 Ratios are medians of per-round ratios, of process CPU time and of wall time. With one
 intra-op thread (the default here) the CPU time is what a loaded machine disturbs least.
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from _common import interleave, load_average, paired_ratio, pin_malloc
 from torch import nn
 
+import seqpipe.core.stage
 from seqpipe import Pipe
 from seqpipe.balance import balance_by_size
 from seqpipe.demo import build_model, make_data
@@ -63,6 +66,19 @@ def pipe_step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, balance: S
     return step
 
 
+def with_streams(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with every task given its private random stream, as if no partition could
+    be proven to draw nothing."""
+    def run() -> None:
+        quiet = seqpipe.core.stage.draws_nothing
+        seqpipe.core.stage.draws_nothing = lambda module: False  # type: ignore[assignment]
+        try:
+            step()
+        finally:
+            seqpipe.core.stage.draws_nothing = quiet
+    return run
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -83,14 +99,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         "ts1": pipe_step(model, x, y, [len(model)], train_step=True),
         "ts2": pipe_step(model, x, y, two, train_step=True),
         "fb2": pipe_step(model, x, y, two, train_step=False),
+        "ts2/streams": with_streams(pipe_step(model, x, y, two, train_step=True)),
     }
     samples = interleave(variants, rounds=args.rounds, warmup=args.warmup)
     print(f"# CNN, batch {args.batch}, two partitions {two}, {args.rounds} interleaved rounds, "
           f"{torch.get_num_threads()} intra-op threads, load average {load_average()}")
     for name, s in samples.items():
         cpu = statistics.median(s.cpu) * 1e3
-        print(f"{name:<6} median {s.median * 1e3:7.2f} ms  cpu {cpu:7.2f} ms")
-    for a, b in [("ts1", "plain"), ("ts2", "plain"), ("fb2", "plain"), ("ts2", "ts1")]:
+        print(f"{name:<11} median {s.median * 1e3:7.2f} ms  cpu {cpu:7.2f} ms")
+    for a, b in [("ts1", "plain"), ("ts2", "plain"), ("fb2", "plain"), ("ts2", "ts1"),
+                 ("ts2/streams", "plain"), ("ts2", "ts2/streams")]:
         print(f"{a} / {b}: CPU time {paired_ratio(samples[a], samples[b], cpu=True):.4f}, "
               f"wall {paired_ratio(samples[a], samples[b]):.4f}")
     return 0

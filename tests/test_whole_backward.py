@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
+from test_direct_sink import _FailsInBackward
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -154,28 +155,11 @@ def test_a_hook_keeps_inputs_under_a_whole_backward(monkeypatch: pytest.MonkeyPa
         _close(_grads(model)[name], param.grad, name)
 
 
-class _FailsInBackward(nn.Module):
-    """Its backward raises at the third micro-batch, after two added to ``.grad``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = x * 1.0
-
-        def hook(grad: Tensor) -> None:
-            self.seen += 1
-            if self.seen == 3:
-                raise ValueError("no gradient today")
-        y.register_hook(hook)
-        return y
-
-
 def test_a_failed_whole_backward_leaves_grads_none() -> None:
     """The sums were going to stay in ``.grad``: a failure drops the partial ones."""
     model = _model()
     model.insert(1, _FailsInBackward())
+    model[1].armed = True  # raises at its third micro-batch, after two added to .grad
     pipe = Pipe(model, chunks=4, balance=[3, 4], devices=["cpu", "cpu"], checkpoint="never")
     with pytest.raises(ValueError, match="no gradient today"):
         pipe(_x()).square().mean().backward()
