@@ -130,7 +130,7 @@ class LocalPipeline:
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         sink = run.sink
         if sink is not None:
-            sink.hold(whole)  # the sums are handed to autograd, not added to .grad here
+            sink.hold(whole)  # .grad put aside for the sums (or left to them: ``whole``)
         try:
             run_groups([inline, *threaded] if inline else threaded, step.mailbox,
                        ThreadState(concurrent=len(threaded), devices=self.devices))
