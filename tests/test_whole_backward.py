@@ -191,3 +191,19 @@ def test_a_reentrant_checkpoint_trains_under_a_whole_backward_only() -> None:
         _close(_grads(model)[name], param.grad, name)
     with pytest.raises(ReentrantCheckpointError, match="use_reentrant=False"):
         pipe(x).square().mean().backward(inputs=[model[0].weight])
+
+
+def test_two_calls_in_one_whole_backward_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call's backward leaves its sums in ``.grad``; the second finds them there,
+    puts them aside and hands its own over, so autograd adds both."""
+    model = _model()
+    plain = copy.deepcopy(model)
+    a, b = _x(), 2 * _x()
+    (plain(a).square().mean() + plain(b).sum()).backward()
+    pipe = _pipe(model)
+    handed = _handed_over(monkeypatch)
+    (pipe(a).square().mean() + pipe(b).sum()).backward()
+    assert handed == [0, 6]
+    for name, param in plain.named_parameters():
+        _close(_grads(model)[name], param.grad, name)
+    _close(model[2].scale.grad, plain[2].scale.grad, "a held tensor")
