@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 import seqpipe.core.checkpoint
 from seqpipe import Pipe
+from seqpipe.core.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from seqpipe.core.draws import draws_nothing
 
 DTYPE = torch.float64
@@ -38,6 +39,12 @@ class MyLinear(nn.Linear):
 def test_only_listed_modules_without_hooks_draw_nothing() -> None:
     assert draws_nothing(_cnn())
     assert draws_nothing(nn.Sequential(nn.BatchNorm2d(3), nn.Embedding(4, 2)))
+    assert draws_nothing(convert_deferred_batch_norm(_cnn().append(nn.BatchNorm1d(3))))
+
+    class Deferred(DeferredBatchNorm, nn.BatchNorm1d):
+        def forward(self, x: Tensor) -> Tensor:
+            return x + torch.rand_like(x)
+    assert not draws_nothing(nn.Sequential(Deferred(3)))
     assert not draws_nothing(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
     assert not draws_nothing(nn.Sequential(MyLinear(2, 2)))
     assert not draws_nothing(nn.TransformerEncoderLayer(8, 2, 16))

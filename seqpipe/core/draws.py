@@ -10,8 +10,9 @@ task then runs with the global generators untouched (``NO_DRAWS``: no mode, and 
 checkpoint saves or restores their state, which another thread may be drawing from).
 
 "Cannot draw" is decided per task, from what is there at that moment, and only where it
-is certain: every module is exactly one of the ``torch.nn`` classes below (a subclass, a
-parametrized module or a user's own class may do anything), none has its own ``forward``
+is certain: every module is exactly one of the ``torch.nn`` classes below, or one of its
+BatchNorms made deferred (a subclass, a parametrized module or a user's own class may do
+anything), none has its own ``forward``
 attribute or a forward hook, no global forward hook is registered, and no
 ``TorchFunctionMode`` or ``TorchDispatchMode`` is active (the caller's modes are carried to
 the workers, and one may draw). Anything else keeps the private stream.
@@ -41,7 +42,6 @@ _QUIET: FrozenSet[Type[nn.Module]] = frozenset({
     nn.ConvTranspose3d,
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
-    DeferredBatchNorm,
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
     nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus,
     nn.Softsign, nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.GLU, nn.Threshold,
@@ -65,9 +65,20 @@ def draws_nothing(module: nn.Module) -> bool:
     return _quiet(module, set())
 
 
+def _quiet_class(cls: Type[nn.Module]) -> bool:
+    """One of ``_QUIET``, or one of its BatchNorms made deferred
+    (``convert_deferred_batch_norm`` mixes ``DeferredBatchNorm`` into the layer's class,
+    adding nothing else; its forward draws nothing)."""
+    if cls in _QUIET:
+        return True
+    bases = cls.__bases__
+    return len(bases) == 2 and bases[0] is DeferredBatchNorm and bases[1] in _QUIET and \
+        "forward" not in cls.__dict__
+
+
 def _quiet(module: nn.Module, seen: Set[int]) -> bool:
     seen.add(id(module))
-    if module.__class__ not in _QUIET or module._forward_hooks or \
+    if not _quiet_class(module.__class__) or module._forward_hooks or \
             module._forward_pre_hooks or "forward" in module.__dict__:
         return False
     for child in module._modules.values():
