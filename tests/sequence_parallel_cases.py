@@ -153,14 +153,14 @@ def sequence_parallel_cases(failures: Failures) -> None:
 
 
 def _uneven(failures: Failures) -> None:
-    """Sequences of 5 and of 3 positions over tp=2: shards of 3 and 2, 2 and 1 positions
-    cross the boundary (``DTensor.from_local`` with the global shape sent), under ``1f1b``
+    """Sequences of 5 and of 1 position over tp=2: shards of 3 and 2, 1 and 0 (an empty
+    one) positions cross the boundary (``DTensor.from_local`` with the global shape sent), under ``1f1b``
     into the ``SequenceParallel`` LayerNorm and under ``zb_h1``, checkpointed, with the
     skip: three AdamW steps as the single-process model's."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp, _ = mesh_groups(mesh, data_dim="tp")
     coordinate = mesh["tp"].get_local_rank()
-    for length, schedule, gather in ((5, "1f1b", False), (3, "zb_h1", True)):
+    for length, schedule, gather in ((5, "1f1b", False), (1, "zb_h1", True)):
         first, model = (5 if gather else 4), _model(gather)
         pipe = DistributedPipe(model, chunks=2, balance=[first, len(model) - first],
                                schedule=schedule, checkpoint="always" if gather else

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from distributed_harness import Failures, run_workers
-from seqpipe.distributed import DistributedPipe, mesh_groups
+from seqpipe.distributed import DistributedPipe, PeerError, mesh_groups
 
 TOL = dict(rtol=1e-6, atol=1e-9)
 VOCAB, WIDTH, IGNORED = 16, 8, -100
@@ -76,16 +76,18 @@ def _shard(pipe: DistributedPipe, mesh: DeviceMesh, reshard: bool = True,
 
 
 def _train(failures: Failures, pipe: DistributedPipe, part: slice, what: str,
-           steps: int = 2) -> None:
+           steps: int = 2, split: bool = True) -> None:
     """``steps`` AdamW steps on ``pipe`` (this pipeline's ``part`` of each batch) and on the
-    single-process model: gradients and parameters equal; the tied copies still equal."""
+    single-process model: gradients and parameters equal; the tied copies (``DTensor``s
+    if ``split``) still equal."""
     reference = _model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.05)
     theirs: Dict[str, Tensor] = dict(reference.named_parameters(remove_duplicate=False))
     mine = dict(pipe.named_parameters())
-    tied = "0.weight" if pipe.is_first else "5.weight"
-    failures.expect(isinstance(mine[tied], DTensor), f"{what}: the tied copy is not split")
+    copy = mine.get("0.weight", mine.get("5.weight"))  # None: no copy on this rank
+    failures.expect(copy is None or isinstance(copy, DTensor) == split,
+                    f"{what}: the tied copy is {'not ' if split else ''}a DTensor")
     for step in range(steps):
         x, y = _batch(step)
         opt.zero_grad()
@@ -190,6 +192,44 @@ def _sharded_over_split(failures: Failures) -> None:
                f"{'alike' if alike else 'Shard(1) and Shard(0)'}, {schedule}", steps=3)
 
 
+def _one_rank(failures: Failures) -> None:
+    """Under ``zbv`` the embedding (stage 0) and the head (stage 3) are both on the first
+    rank, one tensor there. ``replicate`` wrapping the two layers apart would give each its
+    own copy (trained apart, silently); every rank refuses, naming the layers. The mend it
+    names: the two layers left unwrapped (the stages without a root unit), averaged by
+    ``data_parallel_group``, the others sharded: three AdamW steps as the model's."""
+    for mended in (False, True):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        pp, dp = mesh_groups(mesh)
+        replica = mesh["dp"].get_local_rank()
+        pipe = DistributedPipe(_model(), chunks=2, balance=[2, 1, 1, 2], schedule="zbv",
+                               group=pp, data_parallel_group=dp if mended else None)
+        if not mended:
+            _wrapped(pipe, partial(replicate, mesh=mesh["dp"]))
+            x, y = _batch(0)
+            error: Optional[BaseException] = None
+            try:
+                pipe.train_step(x[:4] if pipe.is_first else None,
+                                y[:4] if pipe.is_last else None, _mean_loss)
+            except (ValueError, PeerError) as exc:
+                error = exc
+            expected = ValueError if pipe.is_first else PeerError
+            failures.expect(type(error) is expected and "['0.weight', '5.weight']" in
+                            str(error) and "data_parallel_group" in str(error),
+                            f"ties apart on one rank: {error!r}, not a {expected.__name__}")
+            continue
+        tied = [pipe.get_submodule(n) for n in ("0", "5") if n in pipe.layer_names]
+        for stage in pipe.stage_modules:
+            for layer in stage:
+                if layer not in tied:
+                    fully_shard(layer, mesh=mesh["dp"])
+            if not tied:
+                fully_shard(stage, mesh=mesh["dp"])
+        _train(failures, pipe, slice(replica * 4, replica * 4 + 4),
+               "ties on one rank under zbv, left to data_parallel_group", steps=3,
+               split=False)
+
+
 def _counted(failures: Failures) -> None:
     """count_fn on FSDP2 stages with a data_parallel_group over the same ranks (stage 0's
     first block left to seqpipe's reducer; the tie's copies FSDP2's): replicas counting 5
@@ -243,6 +283,7 @@ def _worker(rank: int, world: int) -> None:
     _tensor_parallel(failures)
     _hybrid(failures)
     _sharded_over_split(failures)
+    _one_rank(failures)
     _counted(failures)
     _refused(failures)
     failures.finish()
@@ -252,7 +293,9 @@ def test_fsdp_ties() -> None:
     """4 processes: a tied embedding/head trains two AdamW steps as the single-process
     model under pp=2 × fsdp=2 (1f1b, zb_h1) and pp=2 × tp=2 (copies split alike under 1f1b,
     differently under zb_h1), the copies equal after; three on HSDP (2×1, 1×2), on
-    replicate stages (1f1b, zb_h1) and on FSDP2 over tensor parallelism; count_fn with FSDP2 and a
+    replicate stages (1f1b, zb_h1) and on FSDP2 over tensor parallelism; under zbv (both
+    copies on one rank) replicate wrapping the two layers apart is refused on every rank,
+    and the mend it names trains exactly; count_fn with FSDP2 and a
     data_parallel_group gives the global token mean's gradient; FSDP2 over other ranks than
     data_parallel_group raises ValueError."""
     run_workers(_worker, 4, timeout=300)
