@@ -154,9 +154,9 @@ def sequence_parallel_cases(failures: Failures) -> None:
 
 def _uneven(failures: Failures) -> None:
     """Sequences of 5 and of 1 position over tp=2: shards of 3 and 2, 1 and 0 (an empty
-    one) positions cross the boundary (``DTensor.from_local`` with the global shape sent), under ``1f1b``
-    into the ``SequenceParallel`` LayerNorm and under ``zb_h1``, checkpointed, with the
-    skip: three AdamW steps as the single-process model's."""
+    one) positions cross the boundary (``DTensor.from_local`` with the global shape sent),
+    under ``1f1b`` into the ``SequenceParallel`` LayerNorm and under ``zb_h1``,
+    checkpointed, with the skip: three AdamW steps as the single-process model's."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp, _ = mesh_groups(mesh, data_dim="tp")
     coordinate = mesh["tp"].get_local_rank()
