@@ -39,12 +39,15 @@ class _Block(nn.Module):
         return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
-def _model() -> nn.Sequential:
-    """Embedding, 4 blocks, a head tied to the embedding (stage 0's and stage 1's)."""
+def _model(within: bool = False) -> nn.Sequential:
+    """Embedding, 4 blocks, a head tied to the embedding (stage 0's and stage 1's); with
+    ``within``, the last two blocks' first Linear share a weight too (both stage 1's)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), *(_Block() for _ in range(4)),
                           nn.Linear(WIDTH, VOCAB, bias=False)).double()
     model[5].weight = model[0].weight
+    if within:
+        model[4].fc1.weight = model[3].fc1.weight
     return model
 
 
@@ -76,11 +79,11 @@ def _shard(pipe: DistributedPipe, mesh: DeviceMesh, reshard: bool = True,
 
 
 def _train(failures: Failures, pipe: DistributedPipe, part: slice, what: str,
-           steps: int = 2, split: bool = True) -> None:
+           steps: int = 2, split: bool = True, within: bool = False) -> None:
     """``steps`` AdamW steps on ``pipe`` (this pipeline's ``part`` of each batch) and on the
-    single-process model: gradients and parameters equal; the tied copies (``DTensor``s
-    if ``split``) still equal."""
-    reference = _model()
+    single-process model (``_model(within)``): gradients and parameters equal; the tied
+    copies (``DTensor``s if ``split``) still equal."""
+    reference = _model(within)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.05)
     theirs: Dict[str, Tensor] = dict(reference.named_parameters(remove_duplicate=False))
@@ -198,6 +201,7 @@ def _one_rank(failures: Failures) -> None:
     own copy (trained apart, silently); every rank refuses, naming the layers. The mend it
     names: the two layers left unwrapped (the stages without a root unit), averaged by
     ``data_parallel_group``, the others sharded: three AdamW steps as the model's."""
+    _within_one_stage(failures)
     for mended in (False, True):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         pp, dp = mesh_groups(mesh)
@@ -228,6 +232,26 @@ def _one_rank(failures: Failures) -> None:
         _train(failures, pipe, slice(replica * 4, replica * 4 + 4),
                "ties on one rank under zbv, left to data_parallel_group", steps=3,
                split=False)
+
+
+def _within_one_stage(failures: Failures) -> None:
+    """Two blocks of stage 1 share a weight: FSDP2 over the two as one unit
+    (``fully_shard([a, b])``, the mend named for a stage) keeps it one parameter; three
+    AdamW steps as the model's."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, _ = mesh_groups(mesh)
+    replica = mesh["dp"].get_local_rank()
+    pipe = DistributedPipe(_model(within=True), chunks=2, balance=[3, 3], group=pp)
+    together = [pipe.get_submodule(n) for n in ("3", "4") if n in pipe.layer_names]
+    if together:
+        fully_shard(together, mesh=mesh["dp"])
+    for stage in pipe.stage_modules:
+        for layer in stage:
+            if layer not in together:
+                fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(stage, mesh=mesh["dp"])
+    _train(failures, pipe, slice(replica * 4, replica * 4 + 4),
+           "a weight shared within a stage, one FSDP2 unit", steps=3, within=True)
 
 
 def _counted(failures: Failures) -> None:
@@ -295,7 +319,8 @@ def test_fsdp_ties() -> None:
     differently under zb_h1), the copies equal after; three on HSDP (2×1, 1×2), on
     replicate stages (1f1b, zb_h1) and on FSDP2 over tensor parallelism; under zbv (both
     copies on one rank) replicate wrapping the two layers apart is refused on every rank,
-    and the mend it names trains exactly; count_fn with FSDP2 and a
+    and the mend it names trains exactly, as does a weight shared within a stage under
+    one FSDP2 unit; count_fn with FSDP2 and a
     data_parallel_group gives the global token mean's gradient; FSDP2 over other ranks than
     data_parallel_group raises ValueError."""
     run_workers(_worker, 4, timeout=300)
