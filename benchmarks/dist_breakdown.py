@@ -59,7 +59,6 @@ from dist_vs_torch_pipelining import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 import seqpipe.core.stage as seq_stage
-import seqpipe.distributed.step as seq_step
 from seqpipe.distributed import DistributedPipe
 from seqpipe.distributed.transport import HEADER_SLOTS, Transport
 
@@ -114,7 +113,7 @@ def instrument() -> None:
     patches: List[Tuple[Any, str, Any]] = [
         (seq_stage.Stage, "forward", "compute F"),
         (seq_stage.Stage, "backward", "compute B"),
-        (seq_step.Call, "_loss", "loss"),
+        (seq_stage.Stage, "loss", "loss"),
         (Transport, "recv", "recv wait"),
         (Transport, "_post", "post recvs"),
         (Transport, "_release", "release sends"),
