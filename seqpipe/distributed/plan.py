@@ -117,7 +117,8 @@ def split_tails(actions: Sequence[Sequence[Action]], placement: Placement) -> Li
         split = list(order)
         for n in sorted(last.values(), reverse=True):
             i, s = split[n].microbatch, split[n].stage
-            split[n:n + 1] = [Action(Phase.BACKWARD_INPUT, i, s), Action(Phase.BACKWARD_WEIGHT, i, s)]
+            split[n:n + 1] = [Action(Phase.BACKWARD_INPUT, i, s),
+                              Action(Phase.BACKWARD_WEIGHT, i, s)]
         out.append(split)
     return out
 
