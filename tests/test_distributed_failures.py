@@ -79,13 +79,8 @@ def _first_forward_fails(rank: int, world: int) -> None:
     model = nn.Sequential(Boom(1), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     pipe = DistributedPipe(model, chunks=4, balance=[1, 2, 1], schedule="1f1b",
                            checkpoint="never", group=dist.new_group(list(range(world))))
-    with pytest.raises(Exception) as info:
-        _step(pipe, rank, world)
-    exc, failure = info.value, "stage 0 failed in the forward of micro-batch 0"
-    if rank == 0:
-        assert isinstance(exc, ZeroDivisionError) and failure in " ".join(exc.__notes__)
-    else:
-        assert isinstance(exc, PeerError) and failure in str(exc), repr(exc)
+    exc = _fails(pipe, rank, world, 0, "stage 0 failed in the forward of micro-batch 0")
+    if rank != 0:
         waiting = ("stage 1 was at forward of micro-batch 0 on stage 1, waiting for the "
                    "activation from stage 0" if rank == 1 else
                    "stage 2 was at start of the step, waiting for the start of the step "
@@ -100,13 +95,21 @@ def _last_weight_half_fails(rank: int, world: int) -> None:
     boom = nn.Linear(4, 4)
     boom.weight.register_post_accumulate_grad_hook(_raise_in_weight_gradient)
     pipe = _pipe(boom, "1f1b", dist.new_group(list(range(world))))
+    _fails(pipe, rank, world, 1, "stage 1 failed in the backward_weight of micro-batch 3")
+
+
+def _fails(pipe: DistributedPipe, rank: int, world: int, failing: int,
+           failure: str) -> BaseException:
+    """A step of ``pipe`` raises on every rank, naming ``failure``: rank ``failing`` its own
+    ``ZeroDivisionError`` (with the note), the others a ``PeerError``."""
     with pytest.raises(Exception) as info:
         _step(pipe, rank, world)
-    exc, failure = info.value, "stage 1 failed in the backward_weight of micro-batch 3"
-    if rank == 1:
+    exc = info.value
+    if rank == failing:
         assert isinstance(exc, ZeroDivisionError) and failure in " ".join(exc.__notes__)
     else:
         assert isinstance(exc, PeerError) and failure in str(exc), repr(exc)
+    return exc
 
 
 def _raise_in_weight_gradient(param: torch.Tensor) -> None:
