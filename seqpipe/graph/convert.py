@@ -19,6 +19,7 @@ from seqpipe.distributed.ties import canonical_names
 from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
 from seqpipe.graph.errors import ConversionError
+from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS
 from seqpipe.graph.origin import Origin
 from seqpipe.graph.trace import trace
 from seqpipe.graph.unit import build_unit
@@ -123,11 +124,9 @@ def _check_batch(args: Tuple[Any, ...], kwargs: Dict[str, Any],
             f"least 2 (torch.export fixes sizes 0 and 1). Use a bigger example batch")
 
 
-_MODE_OPS = ("dropout", "batch_norm", "bernoulli")
-
-
 def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
-    """Refuse glue that would freeze train/eval behaviour or take a stateful module's
+    """Refuse glue that would freeze train/eval behaviour (dropout is not frozen: it
+    follows the layer's unit, see ``seqpipe.graph.mode``) or take a stateful module's
     work out of the user's object: name the module and the mend."""
     modules = dict(model.named_modules(remove_duplicate=False))
     ancestors = {".".join(u.split(".")[:i]) for u in units for i in range(len(u.split(".")))}
@@ -137,7 +136,8 @@ def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
         path = path if path in modules else ""  # export's own root entries
         owner = modules[path]
         op = str(node.target)
-        if node.op == "call_function" and any(word in op for word in _MODE_OPS):
+        if node.op == "call_function" and node.target not in FOLLOWS_MODE and \
+                any(word in op for word in REFUSED_MODE_OPS):
             raise ConversionError(
                 f"{_where(path)} calls {op} in the traced glue between units, whose "
                 f"train/eval behaviour the trace would fix; make the module that calls it a "

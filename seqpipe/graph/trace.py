@@ -74,7 +74,11 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
     gm = program.module()
     assert isinstance(gm, fx.GraphModule)
     gm.graph._codegen = fx.graph.CodeGen()  # flat leaves in, flat leaves out
-    gm.graph.eliminate_dead_code()
+    # a unit's input that only its shape is read of (BART's ``embed_positions(
+    # inputs_embeds[:, :, -1])``) has no user in the graph, yet the unit is called with it
+    needed = {arg.name for sig in signatures.values() for arg in sig.inputs
+              if not isinstance(arg, ConstantArgument)}
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.name in needed or n.is_impure())
     with warnings.catch_warnings():  # get_attr of a pytree spec: a plain attribute, on purpose
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
         renamed: Dict[str, fx.Node] = {}
@@ -103,8 +107,11 @@ def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
     for arg in signature.inputs:
         if isinstance(arg, ConstantArgument):
             leaves.append(arg.value)
+        elif arg.name in by_name:
+            leaves.append(by_name[arg.name])
         else:
-            leaves.append(by_name.get(arg.name))
+            raise ConversionError(f"the trace lost input {arg.name} of unit {name!r}; "
+                                  + MEND)
     args_spec, kwargs_spec = signature.in_spec.children()
     spec_name = _add_attr(gm, f"_spec_in_{name}", signature.in_spec)
     unflat = graph.call_function(pytree.tree_unflatten, (leaves, graph.get_attr(spec_name)))
@@ -124,7 +131,8 @@ def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
     for node in nodes:
         if node.name in outputs:
             piece = graph.call_function(operator.getitem, (flat, outputs[node.name]))
-            node.replace_all_uses_with(piece, propagate_meta=True)
+            node.replace_all_uses_with(piece)
+            piece.meta = _call_site_meta(node, name)
             renamed[node.name] = piece
         elif any(user not in inside for user in node.users):
             raise ConversionError(
@@ -166,6 +174,19 @@ def _drop_unused(graph: fx.Graph) -> None:
         if not node.users and (node.op == "get_attr" or
                                (node.op == "call_function" and node.target in _PURE)):
             graph.erase_node(node)
+
+
+def _call_site_meta(node: fx.Node, name: str) -> Dict[str, Any]:
+    """The meta of a unit's output piece: ``node``'s value, but the module stack of the
+    unit's call site. (``node`` was computed inside the unit, perhaps by a submodule such
+    as its last LayerNorm; the piece is read by the glue, which must not be taken for
+    work of that submodule.)"""
+    stack: Dict[str, Any] = {}
+    for key, (path, kind) in (node.meta.get("nn_module_stack") or {}).items():
+        if path == name:
+            break
+        stack[key] = (path, kind)
+    return {"val": node.meta.get("val"), "nn_module_stack": stack}
 
 
 def _innermost_unit(node: fx.Node, name: str) -> bool:
