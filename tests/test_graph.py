@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from graph_check import train_both
-from graph_models import build, example, loss_of
+from graph_models import ZOO, build, example, loss_of
 from torch import Tensor, nn
 from torch.export import Dim
 from torch.utils._pytree import tree_leaves
@@ -72,6 +72,42 @@ def test_converted_model_trains_like_the_plain_one(name: str) -> None:
         torch.testing.assert_close(value, model.state_dict()[key], msg=key)
 
 
+# units of each ZOO model by default (docs/models.md, "Models tested")
+ZOO_UNITS = {"llama": 6, "mistral": 6, "qwen2": 6, "bert": 6, "neox": 7, "opt": 6, "t5": 15,
+             "bart": 11, "vit": 5}
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_the_models_people_hold_train_like_the_plain_ones(name: str) -> None:
+    # Hugging Face architectures from tiny configs, with their documented call: two
+    # partitions, 1F1B, three SGD steps; loss, every gradient and weight as the plain model
+    model, plain = build(name), build(name)
+    args, kwargs, _ = example(name)
+    seq = to_sequential(model, args, kwargs)
+    assert len(seq) == ZOO_UNITS[name], [layer.unit for layer in seq]
+    assert {id(p) for p in seq.parameters()} == {id(p) for p in model.parameters()}
+    if name == "llama":  # tie_word_embeddings: one Parameter in the first and last layer
+        tied = model.get_input_embeddings().weight
+        assert tied is model.lm_head.weight
+        assert any(p is tied for p in seq[0].parameters())
+        assert any(p is tied for p in seq[-1].parameters())
+    model.eval(), plain.eval()
+    got, want = seq(*args, **kwargs), plain(*args, **kwargs)
+    assert type(got) is type(want)
+    for a, b in zip(tree_leaves(got), tree_leaves(want)):
+        torch.testing.assert_close(a, b, **TOL, msg=f"{name}: plain call")
+    model.train(), plain.train()
+    n = len(seq)
+    pipe = Pipe(seq, chunks=2, balance=[n // 2, n - n // 2], devices=["cpu", "cpu"])
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                               loss_of(name), schedule="1f1b")
+
+    train_both(name, step, dict(model.named_parameters(remove_duplicate=False)), plain, 2,
+               close(TOL))
+
+
 def test_default_units_descend_into_trunks() -> None:
     assert default_units(build("gpt2")) == [
         "transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0",
@@ -131,13 +167,13 @@ class Twice(nn.Module):
         return self.b(self.a(self.a(x)))
 
 
-class GlueDropout(nn.Module):
+class GlueBatchNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.b(F.dropout(self.a(x), 0.5, self.training))
+        return self.b(F.batch_norm(self.a(x), None, None, training=True))
 
 
 class ToNumpy(Branchy):
@@ -162,8 +198,9 @@ def test_errors_name_the_module_and_the_mend() -> None:
                                               r"forward.*units=\[\.\.\.\] naming the parent"):
         to_sequential(Twice(), (x,))
     with pytest.raises(ConversionError, match=r"the model's own forward calls "
-                                              r"aten.dropout.default in the traced glue"):
-        to_sequential(GlueDropout(), (x,))
+                                              r"aten.batch_norm.default in the traced glue.*"
+                                              r"make the module that calls it a unit"):
+        to_sequential(GlueBatchNorm(), (x,))
     with pytest.raises(ConversionError, match=r"module 'a' \(Linear\) holds parameters, buffers "
                                               r"or train/eval behaviour but is not inside a "
                                               r"unit.*add it to units="):
@@ -185,3 +222,101 @@ def test_a_fixed_input_changed_is_refused() -> None:
     with pytest.raises(ValueError, match=r"traced as the constant 2.0 and is now 3.0"):
         seq(*args, **{**kwargs, "scale": 3.0})
 
+
+
+class GlueDropout(nn.Module):
+    """Dropout in the glue: functional (BART's encoder) and one module called twice (T5's
+    stacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.dropout(self.drop(self.a(x)), 0.3, self.training)
+        return self.b(self.drop(h))
+
+
+def test_dropout_in_the_glue_follows_train_and_eval_mode() -> None:
+    # converted in eval mode (as from_pretrained leaves a model), then trained: the glue's
+    # dropout must be on, drawing as the model does; and off again in eval mode
+    model, plain = GlueDropout().double(), GlueDropout().double()
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(6, 4, dtype=torch.double)
+    seq = to_sequential(model.eval(), (x,))
+    assert [layer.unit for layer in seq] == ["a", "b"]  # the twice-called dropout is glue
+    for mode in ("train", "eval", "train"):
+        getattr(model, mode)(), getattr(plain, mode)()
+        torch.manual_seed(3)
+        got = seq(x)
+        torch.manual_seed(3)
+        torch.testing.assert_close(got, plain(x), **TOL, msg=mode)
+    dropped = seq(x)  # the model is in train mode: the glue drops
+    model.eval()
+    assert not torch.equal(dropped, seq(x))
+    seq.train()  # the converted model's own train()/eval() reaches the glue too
+    torch.manual_seed(3)
+    got = seq(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(got, plain.train()(x), **TOL)
+
+
+class LastNorm(nn.Module):
+    """Blocks whose output is their last submodule's (a LayerNorm, as in BART's and BERT's
+    layers); a unit that reads only the shape of its input (BART's positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.pos = Positions()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        h = h + self.pos(h[:, :, -1])  # only the shape of h[:, :, -1] is read
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class Positions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, like: Tensor) -> Tensor:
+        return self.table[: like.shape[1]]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.norm(h + torch.relu(self.lin(h)))
+
+
+def test_units_ending_in_a_submodule_and_units_reading_only_a_shape() -> None:
+    torch.manual_seed(0)
+    model = LastNorm().double()
+    x = torch.randn(6, 5, 4, dtype=torch.double)
+    seq = to_sequential(model, (x,))
+    assert [layer.unit for layer in seq] == ["embed", "pos", "blocks.0", "blocks.1", "head"]
+    torch.testing.assert_close(seq(x), model(x), **TOL)
+    pipe = Pipe(seq, chunks=3, balance=[2, 3], devices=["cpu", "cpu"])
+    torch.testing.assert_close(pipe(seq.origin.pipeline_input(x)), model(x), **TOL)
+
+
+def test_default_units_descend_through_wrappers() -> None:
+    # BERT: bert > encoder > layer (the trunk two wrappers down); OPT: its forward calls
+    # model.decoder directly, never model, which was the one default unit above it
+    assert default_units(build("bert")) == [
+        "bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "bert.pooler",
+        "dropout", "classifier"]
+    assert default_units(build("opt")) == [
+        "model.decoder.embed_tokens", "model.decoder.embed_positions",
+        "model.decoder.final_layer_norm", "model.decoder.layers.0", "model.decoder.layers.1",
+        "lm_head"]
