@@ -120,7 +120,8 @@ def gpt2(layers: int = 2) -> nn.Module:
 VOCAB, LENGTH, LABELS = 64, 8, 3
 
 
-def _zoo(name: str) -> nn.Module:
+def zoo_model(name: str) -> nn.Module:
+    """``ZOO`` model ``name``, built on the current default device and dtype."""
     import transformers as hf
     from transformers.utils import logging
     logging.set_verbosity_error()
@@ -174,7 +175,7 @@ def build(name: str) -> nn.Module:
     float32)."""
     torch.manual_seed(0)
     if name in ZOO:
-        return _zoo(name).double()
+        return zoo_model(name).double()
     model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2}[name]()
     return model.double() if name != "gpt2" else model
 

@@ -8,6 +8,7 @@ build one layer per unit (``unit``). See ``docs/models.md``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -93,6 +94,7 @@ def to_sequential(model: nn.Module, example_args: Any = (),
         # follow each layer's input device like any traced device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
                                             (args, kwargs))
+        _warn_unloadable(model)
     found = check_units(model, units)
     order = call_order(model, found, args, kwargs, explicit=units is not None)
     traced = trace(model, args, kwargs, found, order, dynamic_shapes)
@@ -108,6 +110,26 @@ def to_sequential(model: nn.Module, example_args: Any = (),
                         {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)},
                         canonical_names(model))
     return seq
+
+
+def _warn_unloadable(model: nn.Module) -> None:
+    """Warn of buffers on ``meta`` that no checkpoint restores: non-persistent ones (a
+    rotary embedding's ``inv_freq``, computed in ``__init__``) are not in ``state_dict()``,
+    so after materialising they hold arbitrary values however the weights are loaded."""
+    persistent = set(model.state_dict().keys())
+    lost = [name for name, buffer in model.named_buffers()
+            if buffer.is_meta and name not in persistent]
+    if lost:
+        owners = sorted({name.rpartition(".")[0] or "the model" for name in lost})
+        warnings.warn(
+            f"{type(model).__name__} is built on meta with non-persistent buffers {lost}: no "
+            f"checkpoint holds them (they are not in state_dict()) and no reset_parameters() "
+            f"computes them, so once materialised they hold arbitrary values and the model "
+            f"computes garbage. Build the modules that own them ({', '.join(owners)}) on a "
+            f"real device before converting (e.g. model.model.rotary_emb = "
+            f"LlamaRotaryEmbedding(config) outside the meta context): a layer whose tensors "
+            f"are real is moved, never re-initialised; or set the buffers after "
+            f"materialising", stacklevel=3)
 
 
 def _check_batch(args: Tuple[Any, ...], kwargs: Dict[str, Any],
