@@ -320,3 +320,23 @@ def test_default_units_descend_through_wrappers() -> None:
         "model.decoder.embed_tokens", "model.decoder.embed_positions",
         "model.decoder.final_layer_norm", "model.decoder.layers.0", "model.decoder.layers.1",
         "lm_head"]
+
+
+def test_a_model_that_computes_its_own_loss_from_labels() -> None:
+    # labels= is an input like any other; the model's loss (a scalar, first in the flat
+    # output) is computed in the last layer's glue, and loss_fn just takes it
+    model, plain = build("llama"), build("llama")
+    args, kwargs, labels = example("llama")
+    kwargs = {**kwargs, "labels": labels}
+    seq = to_sequential(model, args, kwargs)
+    pipe = Pipe(seq, chunks=2, balance=[3, 3], devices=["cpu", "cpu"])
+    loss = pipe.train_step(seq.origin.pipeline_input(*args, **kwargs), labels,
+                           lambda out, _: out[0])
+    want = sum(plain(ids, **{**kwargs, "attention_mask": mask, "labels": y}).loss * len(y) / 6
+               for ids, mask, y in zip(args[0].chunk(2), kwargs["attention_mask"].chunk(2),
+                                       labels.chunk(2)))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), **TOL)
+    theirs = dict(plain.named_parameters())
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, theirs[key].grad, **TOL, msg=key)
