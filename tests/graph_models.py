@@ -12,8 +12,9 @@
   layers, hidden 32, sequence 8, no weights downloaded), dropout off, in double precision:
   Llama (rotary, RMSNorm, GQA, tied head), Mistral (sliding window), Qwen2 (sliding window
   on one layer of two), BERT (``token_type_ids``, classification head), GPT-NeoX (partial
-  rotary, parallel residual), OPT, T5 and BART (encoder-decoder) and ViT (images). The
-  table of docs/models.md ("Models tested") lists them.
+  rotary, parallel residual), OPT, T5 and BART (encoder-decoder) and ViT (images); and
+  ``mixtral`` (mixture of experts) in bfloat16. The table of docs/models.md ("Models
+  tested") lists them.
 """
 from __future__ import annotations
 
@@ -133,6 +134,9 @@ def zoo_model(name: str) -> nn.Module:
                 intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if name == "llama":
         return hf.LlamaForCausalLM(hf.LlamaConfig(**decoder, tie_word_embeddings=True))
+    if name == "mixtral":  # 4 experts, 2 per token
+        return hf.MixtralForCausalLM(hf.MixtralConfig(**decoder, num_local_experts=4,
+                                                      num_experts_per_tok=2))
     if name == "mistral":
         return hf.MistralForCausalLM(hf.MistralConfig(**decoder, sliding_window=4))
     if name == "qwen2":
@@ -176,6 +180,8 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name in ZOO:
         return zoo_model(name).double()
+    if name == "mixtral":  # bfloat16: torch's grouped_mm traces only that (see docs/models.md)
+        return zoo_model(name).to(torch.bfloat16)
     model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2}[name]()
     return model.double() if name != "gpt2" else model
 
@@ -206,7 +212,7 @@ def example(name: str, batch: int = 6, step: int = 0
             ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
     """``(args, kwargs, target)`` of one batch for ``name``."""
     gen = torch.Generator().manual_seed(100 + step)
-    if name in ZOO:
+    if name in ZOO or name == "mixtral":
         return _zoo_example(name, batch, gen)
     if name == "mlp":
         x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
@@ -246,6 +252,6 @@ def model_loss(name: str, output: Any, target: Tensor) -> Tensor:
     """The same loss on the model's own output."""
     if name == "mlp":
         return F.cross_entropy(output["logits"], target)
-    if name == "gpt2" or name in ZOO:
+    if name in ("gpt2", "mixtral") or name in ZOO:
         return _token_loss(output.logits, target)
     return loss_of(name)(output, target)

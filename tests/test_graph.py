@@ -340,3 +340,54 @@ def test_a_model_that_computes_its_own_loss_from_labels() -> None:
     theirs = dict(plain.named_parameters())
     for key, param in model.named_parameters():
         torch.testing.assert_close(param.grad, theirs[key].grad, **TOL, msg=key)
+
+
+class Spread(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h: Tensor) -> Tensor:
+        slots = torch.arange(h.shape[0] * 4, device=h.device) % 4  # a size from the batch
+        return self.lin(h) + slots.view(-1, 4).to(h.dtype)
+
+
+class Spreads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Spread() for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_size_the_trace_shares_between_units() -> None:
+    # export computes 4 * batch once, in blocks.0, and hands it to blocks.1 and blocks.2
+    # (as Mixtral's experts do): each unit computes its own
+    torch.manual_seed(0)
+    model = Spreads().double()
+    x = torch.randn(6, 4, dtype=torch.double)
+    seq = to_sequential(model, (x,))
+    pipe = Pipe(seq, chunks=3, balance=[1, 2], devices=["cpu", "cpu"])
+    for batch in (x, x[:5]):  # micro-batches of 2 and of 2, 2, 1
+        torch.testing.assert_close(pipe(seq.origin.pipeline_input(batch)), model(batch), **TOL)
+
+
+def test_a_mixture_of_experts_in_bfloat16() -> None:
+    # Mixtral: routing by top-k, grouped matmuls over the experts, and a size export shares
+    # between the layers; in bfloat16 (torch's grouped_mm traces only that), one step,
+    # within bfloat16's rounding
+    model, plain = build("mixtral"), build("mixtral")
+    seq = to_sequential(model, *example("mixtral")[:2])
+    assert [layer.unit for layer in seq][2:4] == ["model.layers.0", "model.layers.1"]
+    pipe = Pipe(seq, chunks=2, balance=[3, 3], devices=["cpu", "cpu"])
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                               loss_of("mixtral"), schedule="1f1b")
+
+    bf16 = dict(atol=2e-3, rtol=1.6e-2)
+    train_both("mixtral", step, dict(model.named_parameters()), plain, 2, close(bf16),
+               batches=(6,))
