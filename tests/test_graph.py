@@ -134,6 +134,15 @@ class GlueBatchNorm(nn.Module):
         return self.b(F.batch_norm(self.a(x), None, None, training=True))
 
 
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.inner = nn.Linear(4, 4), Branchy()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(self.pre(x))
+
+
 class ToNumpy(Branchy):
     def forward(self, x: Tensor) -> Tensor:
         h = self.a(x)
@@ -144,13 +153,20 @@ def test_errors_name_the_module_and_the_mend() -> None:
     x = torch.randn(3, 4)
     with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
                                               r".*test_graph.py:\d+ \(if h.sum\(\) > 0:.*\): "
-                                              r"data-dependent control flow.*make that module a "
-                                              r"unit"):
+                                              r"data-dependent control flow.*no choice of "
+                                              r"units= avoids it: make that code traceable"):
         to_sequential(Branchy(), (x,))
+    with pytest.raises(ConversionError, match=r"cannot trace module 'inner' at .*: data-"
+                                              r"dependent control flow.*Mend: the code runs "
+                                              r"inside unit 'inner': units run eagerly "
+                                              r"afterwards, but the whole forward, units "
+                                              r"included, is traced once"):
+        to_sequential(Wrapped(), (x,))  # a unit is traced too: no units= mends it
     with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
                                               r".*test_graph.py:\d+ \(return self.b\(h \* "
                                               r"len\(h.detach\(\).numpy\(\)\)\).*an operation "
-                                              r"that cannot be traced.*make that module a unit"):
+                                              r"that cannot be traced.*or write the "
+                                              r"nn.Sequential by hand"):
         to_sequential(ToNumpy(), (x,))
     with pytest.raises(ConversionError, match=r"unit 'a' \(Linear\) is called 2 times in one "
                                               r"forward.*units=\[\.\.\.\] naming the parent"):
