@@ -315,3 +315,28 @@ def test_a_size_the_trace_shares_between_units() -> None:
     pipe = Pipe(seq, chunks=3, balance=[1, 2], devices=["cpu", "cpu"])
     for batch in (x, x[:5]):  # micro-batches of 2 and of 2, 2, 1
         torch.testing.assert_close(pipe(seq.origin.pipeline_input(batch)), model(batch), **TOL)
+
+
+class EndBias(nn.Module):
+    """A buffer the glue reads at the very end, moved to the output's device (BART's
+    ``final_logits_bias``): export checks its dtype and device first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("bias", torch.arange(4.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.c(self.b(self.a(x)))
+        return h + self.bias.to(h.device)
+
+
+def test_a_buffer_read_at_the_end_sits_in_the_last_layer_alone() -> None:
+    # not also in the first (a buffer shared across stages is refused by DistributedPipe,
+    # and sits on two devices in Pipe)
+    model = EndBias().double()
+    x = torch.randn(6, 4, dtype=torch.double)
+    seq = to_sequential(model, (x,))
+    assert [[name for name, _ in layer.named_buffers()] for layer in seq] == [[], [], ["bias"]]
+    pipe = Pipe(seq, chunks=2, balance=[1, 2], devices=["cpu", "cpu"])
+    torch.testing.assert_close(pipe(seq.origin.pipeline_input(x)), model(x), **TOL)

@@ -6,7 +6,8 @@ materialised from per-layer seeds, Hugging Face Llama (its head tied to the embe
 across the ranks) under 1f1b, then a DCP checkpoint of the converted GPT-2 saved under one
 balance, loaded under another and into the plain model by its own keys; on 3 ranks the
 U-Net under zb_h1 (a skip over the middle stage), the MLP under interleaved_1f1b, the
-ResNet under 1f1b and GPT-2 (its tie spans the first and last stage)."""
+ResNet, BART (the encoder's output skips to the decoder layers on two ranks) and GPT-2
+(its tie spans the first and last stage) under 1f1b."""
 from __future__ import annotations
 
 import copy
@@ -122,6 +123,9 @@ def _three(rank: int, world: int) -> None:
     _train(world, "mlp", to_sequential(build("mlp"), *example("mlp")[:2]),
            "interleaved_1f1b", failures)
     _train(world, "resnet", to_sequential(build("resnet"), *example("resnet")[:2]), "1f1b",
+           failures)
+    # BART: the encoder's output and the masks skip to every decoder layer, across ranks
+    _train(world, "bart", to_sequential(build("bart"), *example("bart")[:2]), "1f1b",
            failures)
     failures.finish()
     failures = Failures(rank, TOL["gpt2"])
