@@ -197,7 +197,6 @@ def test_a_fixed_input_changed_is_refused() -> None:
         seq(*args, **{**kwargs, "scale": 3.0})
 
 
-
 class GlueDropout(nn.Module):
     """Dropout in the glue: functional (BART's encoder) and one module called twice (T5's
     stacks)."""

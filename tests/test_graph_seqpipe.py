@@ -142,7 +142,6 @@ def test_a_model_built_on_meta_converts_and_loads_a_checkpoint() -> None:
     torch.testing.assert_close(seq(*args, **kwargs).logits, real(*args, **kwargs).logits)
 
 
-
 def test_a_meta_built_model_whose_buffers_no_checkpoint_holds() -> None:
     # Llama's rotary inv_freq is computed in __init__ and kept out of state_dict(): built on
     # meta, no checkpoint restores it (the model would compute garbage): named, with the
@@ -159,7 +158,7 @@ def test_a_meta_built_model_whose_buffers_no_checkpoint_holds() -> None:
         to_sequential(model, args, kwargs)
     model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # the mend: real, on the CPU
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message=".*non-persistent buffers")
         seq = to_sequential(model, args, kwargs)
     for layer in seq:  # each stage materialises what is on meta, and moves the rest
         if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
