@@ -8,8 +8,12 @@ call per torch operation of the forward. This script times, interleaved in one p
 (no threads, no micro-batches, one intra-op thread):
 
 * ``plain``: the model's step; ``direct``: the same through ``open_sink`` (no hooks: a
-  ``DirectSink``); ``aliases``: through an ``AliasSink`` (what every model paid before
-  the ``DirectSink``);
+  ``DirectSink``) under ``loss.backward()``, which backpropagates as the plain model does
+  and leaves the sums in ``.grad`` (``GradSink.hold``); ``direct/inputs``: the same under
+  ``torch.autograd.grad`` or a backward with ``inputs=`` (the stage's backward keeps its
+  ``inputs=``, ``.grad`` is put aside and the sums handed over: what ``direct`` did before
+  session 9); ``aliases``: through an ``AliasSink`` (what every model paid before the
+  ``DirectSink``);
 * ``plain+hook``, ``sink+hook``: the same with a no-op ``register_post_accumulate_grad_hook``
   on every parameter (``open_sink`` then gives an ``AliasSink``): the cost of keeping hooks
   exact;
@@ -75,16 +79,21 @@ def plain_step(model: nn.Module, x: Tensor) -> Callable[[], None]:
     return step
 
 
-def sink_step(model: nn.Module, x: Tensor,
-              make: Callable[[List[nn.Module]], GradSink]) -> Callable[[], None]:
-    """What a one-stage ``Pipe`` call does with its sink, without the engine around it."""
+def sink_step(model: nn.Module, x: Tensor, make: Callable[[List[nn.Module]], GradSink],
+              whole: bool = True) -> Callable[[], None]:
+    """What a one-stage ``Pipe`` call does with its sink, without the engine around it,
+    under ``loss.backward()`` (``whole``) or under ``torch.autograd.grad`` / a backward with
+    ``inputs=`` (``GradSink.hold``)."""
     def step() -> None:
         for p in model.parameters():
             p.grad = None
         sink = make([model])
-        sink.hold()
         out = sink.call(0, model, x)
-        torch.autograd.backward([out.sum()], inputs=sink.weights(0))
+        sink.hold(whole)  # (in a Pipe: when autograd reaches the pipe's Function)
+        if sink.plain:
+            torch.autograd.backward([out.sum()])
+        else:
+            torch.autograd.backward([out.sum()], inputs=sink.weights(0))
         for param, grad in sink.take():  # Pipe's autograd Function hands them over
             param.grad = grad
     return step
@@ -174,6 +183,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     variants = {
         "plain": plain_step(clone(model), x),
         "direct": sink_step(direct, x, open_sink),
+        "direct/inputs": sink_step(clone(model), x, open_sink, whole=False),
         "aliases": sink_step(clone(model), x, AliasSink),
         "plain+hook": plain_step(hooked(clone(model)), x),
         "sink+hook": sink_step(hooked(clone(model)), x, open_sink),
@@ -182,9 +192,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "pipe/aliases": engine(plain_step(aliased(piped(clone(model))), x)),
         "pipe/engine": engine(plain_step(piped(clone(model)), x)),
     }
-    pairs = [("direct", "plain"), ("aliases", "plain"), ("sink+hook", "plain+hook"),
-             ("pipe", "plain"), ("pipe+hook", "plain+hook"), ("pipe/engine", "plain"),
-             ("pipe/aliases", "plain"), ("pipe", "pipe/engine")]
+    pairs = [("direct", "plain"), ("direct/inputs", "plain"), ("aliases", "plain"),
+             ("sink+hook", "plain+hook"), ("pipe", "plain"), ("pipe+hook", "plain+hook"),
+             ("pipe/engine", "plain"), ("pipe/aliases", "plain"), ("pipe", "pipe/engine")]
     if args.stage:
         variants["plain-seeded"] = plain_seeded(clone(model), x)
         variants["stage"] = stage_step(clone(model), x)
@@ -192,7 +202,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     samples = interleave(variants, rounds=args.rounds, warmup=args.warmup)
     print(f"# {args.model}, {args.rounds} interleaved rounds, one intra-op thread")
     for name, s in samples.items():
-        print(f"{name:<12} median {s.median * 1e3:8.2f} ms  "
+        print(f"{name:<14} median {s.median * 1e3:8.2f} ms  "
               f"cpu {statistics.median(s.cpu) * 1e3:8.2f} ms")
     for a, b in pairs:
         cpu = paired_ratio(samples[a], samples[b], cpu=True)

@@ -24,11 +24,13 @@ from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import LossFn
 from seqpipe.graph.origin import Origin, model_output
 from seqpipe.local.direct import (
+    PHONY,
     any_trainable,
     pipeline_outputs,
     refuse_create_graph,
     run_direct,
     runs_direct,
+    whole_backward,
 )
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
@@ -45,11 +47,15 @@ class _PipeFunction(torch.autograd.Function):
     Its inputs are the mini-batch tensors and every trainable parameter, so autograd
     hands it the output gradient once and accumulates each parameter's gradient once
     (the sum over micro-batches) — exactly one accumulation per parameter, as in the
-    unpipelined model, which is what DistributedDataParallel's reducer expects.
+    unpipelined model, which is what DistributedDataParallel's reducer expects. Where the
+    caller's call is a backward over the whole graph (``whole_backward``, asked through
+    the ``PHONY`` input) and no ``.grad`` existed, a ``DirectSink`` leaves the sums in
+    ``.grad`` instead, where that call would have put them (``GradSink.hold``).
     """
 
     @staticmethod
-    def forward(ctx: Any, call: "_Call", *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, call: "_Call", phony: Tensor,  # type: ignore[override]
+                *tensors: Tensor) -> Tuple[Tensor, ...]:
         outputs = call.forward()
         ctx.call = call
         return pipeline_outputs(ctx, outputs)
@@ -57,7 +63,7 @@ class _PipeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         refuse_create_graph()
-        return (None, *ctx.call.backward(grads))
+        return (None, None, *ctx.call.backward(grads, whole_backward()))
 
 
 class _Call:
@@ -81,12 +87,15 @@ class _Call:
         self.shape = gathered.like(())
         return gathered.tensors
 
-    def backward(self, grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+    def backward(self, grads: Sequence[Optional[Tensor]],
+                 whole: bool = False) -> List[Optional[Tensor]]:
+        """The inputs' then the parameters' gradients (``whole``: the caller's autograd
+        call is a backward over the whole graph; see ``LocalPipeline.backward``)."""
         assert self.run is not None
         sizes = self.input.sizes(self.microbatches)
         per_mb = [tuple(None if g is None else g.split(sizes)[i] for g in grads)
                   for i in range(len(sizes))]
-        sums = self.pipe._pipeline.backward(self.run, per_mb)
+        sums = self.pipe._pipeline.backward(self.run, per_mb, whole)
         input_grads = [self._input_grad(j) for j in range(len(self.input.batch.tensors))]
         return input_grads + [sums.get(p) for p in self.params]
 
@@ -266,7 +275,7 @@ class Pipe(nn.Module):
             bool(sink.params) or any(t.requires_grad for t in batch.tensors))
         call = _Call(self, given, sink, grad)
         if grad:
-            outputs = _PipeFunction.apply(call, *batch.tensors, *call.params)
+            outputs = _PipeFunction.apply(call, PHONY, *batch.tensors, *call.params)
         else:
             outputs = call.forward()
         return call.shape.like(outputs).value

@@ -442,3 +442,31 @@ def test_a_weight_tied_across_partitions_gets_both_uses_gradients(schedule: str)
     assert len(list(pipe.parameters())) == 5  # the tied weight once
     assert torch.allclose(loss, expected_loss)
     assert_grads(pipe.parameters(), expected)
+
+
+def test_a_builtin_schedules_actions_are_worked_out_once_per_shape(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``local_actions`` checks a built-in named by a string once per (partitions,
+    micro-batches) and hands out new lists of the same actions; a schedule object every call."""
+    import seqpipe.local.train_step as module
+    from seqpipe.schedule import OneFOneB
+
+    checked: List[Any] = []
+    validate = module.validate_schedule
+
+    def watch(schedule: Any, *args: Any) -> None:
+        checked.append(schedule)
+        validate(schedule, *args)
+    monkeypatch.setattr(module, "validate_schedule", watch)
+    monkeypatch.setattr(module, "_BUILT", {})
+    first = module.local_actions("zb_h1", 2, 5)
+    again = module.local_actions("ZB-H1", 2, 5)
+    assert again == first and again is not first and again[0] is not first[0]
+    assert len(checked) == 1
+    module.local_actions("zb_h1", 2, 6)
+    assert len(checked) == 2
+    for _ in range(2):
+        module.local_actions(OneFOneB(), 2, 5)
+    assert len(checked) == 4
+    with pytest.raises(ValueError, match="cannot place 3 partitions"):
+        module.local_actions("interleaved_1f1b", 3, 4)

@@ -16,6 +16,7 @@ from torch.autograd.graph import GradientEdge
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from seqpipe.core.draws import NO_DRAWS
 from seqpipe.core.flags import flag, is_checkpointing, is_recomputing
 from seqpipe.core.rng import isolated_rng
 from seqpipe.core.split_backward import reachable
@@ -93,7 +94,7 @@ def _recompute(label: Optional[hooks.Label]) -> ContextManager[Any]:
 
 
 def _rng(seed: Optional[int]) -> ContextManager[None]:
-    return nullcontext() if seed is None else isolated_rng(seed)
+    return nullcontext() if seed is None or seed == NO_DRAWS else isolated_rng(seed)
 
 
 @contextmanager
@@ -111,7 +112,8 @@ def run_task(function: Callable[..., Any], args: Tuple[Any, ...], *, checkpoint:
     ``seed`` selects private random streams (see ``seqpipe.core.rng``), which the
     recomputation replays from the same seed; ``None`` keeps the global generators, whose
     state the checkpoint saves and restores itself (right only while no other thread
-    draws from them: a single-stage pipeline, or one stage per process).
+    draws from them: a single-stage pipeline, or one stage per process); ``NO_DRAWS``
+    (``seqpipe.core.draws``): the function draws nothing, so neither.
     """
     if not checkpoint:
         with _rng(seed):

@@ -69,7 +69,7 @@ from seqpipe.core.trainable import (
 )
 
 __all__ = ["GradSink", "AliasSink", "DirectSink", "ddp_forward_running", "open_sink",
-           "needs_aliases", "step_aware", "trainable"]
+           "needs_aliases", "plain_parameters", "step_aware", "trainable"]
 
 # What stays with the real parameter: its autograd metadata and identity, not its values.
 _KEEP = frozenset({
@@ -205,14 +205,22 @@ class GradSink:
         (its ``inputs=``)."""
         raise NotImplementedError
 
-    def hold(self) -> None:
+    def hold(self, whole: bool = False) -> None:
         """Before the call's first backward, where the sums are to be handed to autograd
-        (the local engine's autograd Function)."""
+        (the local engine's autograd Function). ``whole``: that autograd call is a backward
+        over the whole graph (``loss.backward()``, no ``inputs=``), which accumulates
+        into every leaf it reaches; a sink may then backpropagate as the plain model does
+        (``plain``) and leave its sums in ``.grad`` (``DirectSink.hold``)."""
         raise NotImplementedError
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """Each parameter with its summed gradient still to be handed over, once."""
         raise NotImplementedError
+
+    def drop(self) -> None:
+        """After a failed backward, instead of ``take``: the partial sums are let go and
+        ``.grad`` is as it was before ``hold``."""
+        self.take()
 
 
 class AliasSink(GradSink):
@@ -262,8 +270,9 @@ class AliasSink(GradSink):
         alias stands in for it."""
         return [*self._leaves[stage], *self._own[stage]]
 
-    def hold(self) -> None:
-        """Nothing to do: the sums never reach ``.grad``."""
+    def hold(self, whole: bool = False) -> None:
+        """Nothing to do: the sums never reach ``.grad``, and the backward must stop at
+        the aliases (``inputs=``) whatever the caller's call is."""
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """Each parameter with its summed gradient, letting go of it here (so autograd can
@@ -294,6 +303,7 @@ class DirectSink(GradSink):
             self._weights = [[*mine, *(p for p in self.params if id(p) not in seen)]
                              for mine, seen in zip(own, ids)]
         self._before: Optional[List[Tuple[nn.Parameter, Tensor]]] = None  # see ``hold``
+        self._in_place = False  # the sums stay in ``.grad`` (``hold``)
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
         """Run ``partition`` on ``args``, as the unpipelined model would."""
@@ -304,9 +314,16 @@ class DirectSink(GradSink):
         one through a plain attribute)."""
         return self._weights[stage]
 
-    def hold(self) -> None:
+    def hold(self, whole: bool = False) -> None:
         """From now until ``take``, ``.grad`` holds this call's sums only: the values before
-        are put aside (the local engine's autograd Function hands the sums to autograd)."""
+        are put aside (the local engine's autograd Function hands the sums to autograd).
+
+        With ``whole`` (the caller's autograd call is a backward over the whole graph) and
+        plain ``nn.Parameter``s (``plain_parameters``), the stages backpropagate as the
+        plain model does, without ``inputs=`` (``plain``): that call would accumulate into
+        every leaf the stages' graphs reach, and so does their backward. If, besides,
+        every ``.grad`` is ``None``, nothing is put aside and the sums stay in ``.grad``,
+        where that call would have put them: ``take`` hands nothing over."""
         before: List[Tuple[nn.Parameter, Tensor]] = []
         for param in self.params:
             grad = param.grad
@@ -314,12 +331,15 @@ class DirectSink(GradSink):
                 before.append((param, grad))
                 param.grad = None
         self._before = before
+        self.plain = whole and plain_parameters(self.params)
+        self._in_place = self.plain and not before
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """After ``hold``: each parameter with its summed gradient, and ``.grad`` as it was
-        before ``hold``. Without it: nothing (the sums are in ``.grad`` already)."""
+        before ``hold``. Without it, or with the sums left in ``.grad`` (``hold``): nothing
+        (they are in ``.grad`` already)."""
         before, self._before = self._before, None
-        if before is None:
+        if before is None or self._in_place:
             return []
         pairs = []
         for param in self.params:
@@ -330,6 +350,26 @@ class DirectSink(GradSink):
         for param, grad in before:
             param.grad = grad
         return pairs
+
+    def drop(self) -> None:
+        """After a failed backward: ``.grad`` as before ``hold`` (``None``, where the sums
+        were left in it)."""
+        if self._in_place and self._before is not None:
+            self._before = None
+            for param in self.params:
+                param.grad = None
+            return
+        self.take()
+
+
+def plain_parameters(params: Iterable[Tensor]) -> bool:
+    """Whether every one of ``params`` is a plain ``nn.Parameter`` (not a subclass such as a
+    tensor-parallel ``DTensor``, nor FSDP2's): a backward into them may run as the plain
+    model's, without ``inputs=``."""
+    for param in params:  # a loop, not a generator: a call's fixed cost
+        if type(param) is not nn.Parameter:
+            return False
+    return True
 
 
 def open_sink(partitions: Sequence[nn.Module]) -> GradSink:

@@ -32,6 +32,7 @@ from seqpipe.core.checkpoint import (
     refusing_reentrant,
     run_task,
 )
+from seqpipe.core.draws import NO_DRAWS, draws_nothing
 from seqpipe.core.entry import Entry, enter
 from seqpipe.core.in_flight import settle
 from seqpipe.core.microbatch import Batch
@@ -197,6 +198,9 @@ class Stage:
         a checkpointed forward then keeps no graph at all, and ``backward_input``
         recomputes it once, for both halves (a torch checkpoint would recompute in each).
         """
+        if seed is not None and not (checkpoint and self.segments) and \
+                draws_nothing(self.partition):
+            seed = NO_DRAWS  # no private stream to pay for (seqpipe.core.draws)
         if grad and split and checkpoint:
             return self._forward_to_replay(received, seed, sink)
         if not grad:

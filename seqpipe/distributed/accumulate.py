@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from seqpipe.core.sink import AliasSink, GradSink, open_sink
+from seqpipe.core.sink import AliasSink, GradSink, open_sink, plain_parameters
 from seqpipe.core.stage import Stage
 
 __all__ = ["StepGrads"]
@@ -110,8 +110,8 @@ def plain_backward(stage: Stage, sink: GradSink) -> bool:
     ``inputs=``; see the module docstring): the sink holds nothing back (no hook needs
     aliases), and autograd records the parameters themselves, plain ``nn.Parameter``s (not
     FSDP2's unsharded leaves, nor a subclass such as a tensor-parallel ``DTensor``)."""
-    return not isinstance(sink, AliasSink) and stage.leaves is None and all(
-        type(param) is nn.Parameter for param in sink.params)
+    return not isinstance(sink, AliasSink) and stage.leaves is None and \
+        plain_parameters(sink.params)
 
 
 class _AddFirst:

@@ -21,10 +21,12 @@ Two identity autograd Functions keep what a caller can see of the engine's call:
 
 What differs from the engine, by construction (the plain model's behaviour): a tensor
 outside the pipe that a layer holds (a leaf that is not a parameter of the pipe, or a
-value of the caller's graph) gets its gradient, where the engine's stage backward, limited
-to the pipe's own parameters and inputs, leaves it out; a layer checkpointing itself with
-``use_reentrant=True`` works instead of raising ``ReentrantCheckpointError``; and an
-exception raised inside the partition's backward carries no seqpipe note.
+value of the caller's graph) gets its gradient, and a layer checkpointing itself with
+``use_reentrant=True`` works, under every autograd call, where the engine's stage
+backward does so only under a backward over the whole graph (``whole_backward``) and
+otherwise, limited to the pipe's own parameters and inputs, leaves the tensor out and
+raises ``ReentrantCheckpointError``; and an exception raised inside the partition's
+backward carries no seqpipe note.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from seqpipe.core.autograd_calls import apply_function
 from seqpipe.core.microbatch import Batch, Input, gather
@@ -40,8 +43,9 @@ from seqpipe.core.stage import Stage, wants_grad
 from seqpipe.skip.tracker import StageSkipTracker
 from seqpipe.trace import hooks
 
-__all__ = ["DOUBLE_BACKWARD", "SECOND_BACKWARD", "any_trainable", "pipeline_outputs",
-           "refuse_create_graph", "runs_direct", "run_direct"]
+__all__ = ["DOUBLE_BACKWARD", "PHONY", "SECOND_BACKWARD", "any_trainable",
+           "pipeline_outputs", "refuse_create_graph", "runs_direct", "run_direct",
+           "whole_backward"]
 
 # What the engine and the direct call refuse, in the same words.
 SECOND_BACKWARD = ("this pipeline output was already backpropagated; its activations are "
@@ -81,10 +85,31 @@ class _Enter(torch.autograd.Function):
         return grads
 
 
-# A leaf that requires grad, given to every ``_Exit`` so that its outputs require grad;
-# its gradient is always ``None`` (``_Exit.backward``), so nothing accumulates in it.
+# A leaf that requires grad, given to every ``_Exit`` so that its outputs require grad,
+# and to the engine's ``_PipeFunction`` as the probe of ``whole_backward``; its gradient is
+# always ``None`` (their backwards return none for it), so nothing accumulates in it.
 with torch.inference_mode(False):  # even if seqpipe is imported inside inference mode
-    _PHONY = torch.empty(0, device="cpu", requires_grad=True)
+    PHONY = torch.empty(0, device="cpu", requires_grad=True)
+# Its gradient accumulator, held so that every graph uses this one node.
+_PHONY_NODE = get_gradient_edge(PHONY).node
+_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def whole_backward() -> bool:
+    """In the backward of an autograd Function given ``PHONY``: whether the running
+    autograd call is a backward over the whole graph (``loss.backward()``,
+    ``torch.autograd.backward(tensors)``: no ``inputs=``), which accumulates into every leaf
+    it reaches; not ``torch.autograd.grad`` (which accumulates into none) nor a backward
+    with ``inputs=`` (into those only).
+
+    Autograd's own answer (``torch._C._will_engine_execute_node``, as
+    ``torch.autograd.graph.register_multi_grad_hook`` asks it): a call with ``inputs``
+    executes only the nodes on the paths to them, and no caller can name ``PHONY``'s
+    gradient accumulator among its inputs, so it is executed exactly when every node is.
+    ``False`` where torch cannot tell (no such function, or no graph task running, as
+    under compiled autograd): the question is then not asked."""
+    return _will_execute is not None and torch._C._current_graph_task_id() != -1 and \
+        _will_execute(_PHONY_NODE)
 
 
 class _Exit(torch.autograd.Function):
@@ -163,4 +188,4 @@ def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Ten
     if not grad:
         return gathered.like(()), tuple(t.detach() for t in gathered.tensors)
     # The outputs require grad, as the engine's, even where the partition's do not.
-    return gathered.like(()), apply_function(_Exit, [False], _PHONY, *gathered.tensors)
+    return gathered.like(()), apply_function(_Exit, [False], PHONY, *gathered.tensors)

@@ -106,13 +106,16 @@ class LocalPipeline:
             stage.finish_forward()
 
     # -- backward ----------------------------------------------------------------------
-    def backward(self, run: LocalRun,
-                 grad_outputs: Sequence[Optionals]) -> Dict[nn.Parameter, Tensor]:
+    def backward(self, run: LocalRun, grad_outputs: Sequence[Optionals],
+                 whole: bool = False) -> Dict[nn.Parameter, Tensor]:
         """Backpropagate ``grad_outputs`` (per micro-batch) through every stage.
 
         Fills ``run.input_grads`` and returns the parameters' gradients summed over
-        micro-batches. CPU stages run on their own threads; accelerator stages run on the
-        calling thread, which owns their device's autograd queue during a backward.
+        micro-batches, to be handed to autograd (none where they were left in ``.grad``:
+        ``whole``, the caller's autograd call being a backward over the whole graph, lets
+        the sink do that; ``GradSink.hold``). CPU stages run on their own threads;
+        accelerator stages run on the calling thread, which owns their device's autograd
+        queue during a backward.
         """
         if not run.states and run.grad:
             raise RuntimeError(SECOND_BACKWARD)
@@ -127,12 +130,15 @@ class LocalPipeline:
         threaded = [[p] for p in programs if p.device.type == "cpu"]
         sink = run.sink
         if sink is not None:
-            sink.hold()  # the sums are handed to autograd, not added to .grad here
+            sink.hold(whole)  # .grad put aside for the sums (or left to them: ``whole``)
         try:
             run_groups([inline, *threaded] if inline else threaded, step.mailbox,
                        ThreadState(concurrent=len(threaded), devices=self.devices))
-        finally:  # .grad as it was before the call, also after a failure
-            sums = dict(sink.take()) if sink is not None else {}
+        except BaseException:  # .grad as it was before the call
+            if sink is not None:
+                sink.drop()
+            raise
+        sums = dict(sink.take()) if sink is not None else {}  # .grad as before the call
         hooks.end_step(run.trace_step)
         return sums
 
