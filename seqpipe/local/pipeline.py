@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe.core.microbatch import Batch
+from seqpipe.core.random_free import draws_no_random
 from seqpipe.core.rng import draw_seeds, needs_private_rng
 from seqpipe.core.sink import GradSink, open_sink
 from seqpipe.core.stage import Stage, moved
@@ -85,7 +86,11 @@ class LocalPipeline:
         return run
 
     def _seeds(self, m: int) -> Optional[List[int]]:
-        return draw_seeds(m * len(self.stages)) if self.isolate_rng else None
+        """The tasks' private RNG seeds, or ``None`` where the call needs no private
+        streams: one stage, or partitions that cannot draw (``seqpipe.core.random_free``)."""
+        if not self.isolate_rng or draws_no_random(s.partition for s in self.stages):
+            return None
+        return draw_seeds(m * len(self.stages))
 
     def _put_inputs(self, step: LocalStep, batches: Sequence[Batch]) -> None:
         for i, batch in enumerate(batches):
