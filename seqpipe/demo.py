@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
@@ -191,9 +192,13 @@ StepFn = Callable[[Tensor, Tensor], float]
 
 
 def unpipelined_rate(model: nn.Sequential, device: torch.device, args: argparse.Namespace,
-                     steps: int = 3) -> float:
+                     steps: int = 3, *, chunks: int = 1, checkpoint: str = "never") -> float:
     """Samples/s of a copy of ``model``, unpipelined on ``device``, over ``steps`` steps
-    (after one warm-up) of the demo's data: what pipelining is compared with."""
+    (after one warm-up) of the demo's data: what pipelining is compared with.
+
+    With ``chunks`` and ``checkpoint``, each mini-batch runs as the pipeline runs it, one
+    micro-batch after another with the same recomputation (``torch.utils.checkpoint``), but
+    still unpipelined: the same work without the pipeline, to tell its price from theirs."""
     plain = copy.deepcopy(model).to(device)
     optimizer = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
@@ -202,12 +207,33 @@ def unpipelined_rate(model: nn.Sequential, device: torch.device, args: argparse.
         if step == 1:
             start = time.perf_counter()
         optimizer.zero_grad()
-        loss_fn(plain(images.to(device)), labels.to(device)).backward()
+        parts = list(zip(images.to(device).chunk(chunks), labels.to(device).chunk(chunks)))
+        for i, (x, y) in enumerate(parts):
+            recompute = checkpoint == "always" or (checkpoint == "except_last"
+                                                   and i < len(parts) - 1)
+            out = (torch.utils.checkpoint.checkpoint(plain, x, use_reentrant=False)
+                   if recompute else plain(x))
+            (loss_fn(out, y) * (len(x) / len(images))).backward()
         optimizer.step()
         seen += len(images) if step else 0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return seen / (time.perf_counter() - start)
+
+
+def _print_baselines(baseline: float, same_work: float, device: torch.device,
+                     devices: Sequence[object], args: argparse.Namespace) -> None:
+    """The unpipelined rates the pipelined one is shown beside, and on CPU-only machines
+    why a pipeline cannot beat them there."""
+    print(f"unpipelined on {device}: {baseline:.1f} samples/s; in the pipeline's "
+          f"{min(args.chunks, args.batch)} micro-batches with checkpoint={args.checkpoint!r}, "
+          f"still unpipelined: {same_work:.1f} samples/s")
+    threads = torch.get_num_threads()
+    if threads > 1 and all(str(d) == "cpu" for d in devices):
+        print(f"(on CPU the {len(devices)} partitions share the cores that the unpipelined "
+              f"model already spreads each operation over, with {threads} intra-op threads: "
+              f"a pipeline adds micro-batches, recomputation and hand-overs, and has no idle "
+              f"device to fill; it pays with several devices)", flush=True)
 
 
 def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
@@ -267,13 +293,17 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     torch.manual_seed(args.seed)
     partitions, devices = local_devices(args)
     model = build_model()
-    baseline = unpipelined_rate(model, torch.device(devices[0]), args)
+    device = torch.device(devices[0])
+    baseline = unpipelined_rate(model, device, args)
+    same_work = unpipelined_rate(model, device, args, chunks=args.chunks,
+                                 checkpoint=args.checkpoint)
     pipe = local_pipe(model, sample_batch(args.batch, args.seed), partitions, devices, args,
                       deferred_batch_norm=True)
     print(f"seqpipe demo: {len(model)} layers split as balance={pipe.balance} "
           f"(by {args.balance_by}) over {[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(model, pipe.balance, pipe.devices, "partition")
+    _print_baselines(baseline, same_work, device, pipe.devices, args)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     return train_locally(pipe, optimizer, nn.CrossEntropyLoss(),
                          make_data(args.steps, args.batch, seed=args.seed), args,
