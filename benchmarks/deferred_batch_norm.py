@@ -14,6 +14,20 @@ count (what the demo runs with):
 * ``p2c4``, ``p2c4+dbn``: 2 partitions, chunks 4, without and with it: ``p2c4+dbn`` is the
   main job.
 
+With ``--breakdown``, where the rest of the main job's step goes, a factor at a time:
+
+* ``plain/4``: the plain model over the same 4 micro-batches, one after another
+  (smaller kernels: the price of micro-batches, inherent);
+* ``plain/4+ck``: the same with ``torch.utils.checkpoint`` on the first 3, as
+  ``except_last`` recomputes them (inherent to the checkpoint mode);
+* ``p1c4+dbn``: a ``Pipe`` of 1 partition doing that work (seqpipe's own per-micro-batch
+  cost, against ``plain/4+ck``); ``p2c4+dbn`` against it: the second partition on the same
+  cores (hand-overs, and the bubble where one thread waits).
+
+With ``--accuracy`` (no timing): the relative error of the running variance, against
+float64 truth, of a deferred BatchNorm2d over 4 micro-batches and of a plain one over the
+whole batch, for activations whose mean is 0, 100 and 10^5 times their spread.
+
 Printed: each variant's median wall and process-CPU milliseconds per step, and the paired
 ratios (medians of per-round ratios) that say what deferred BatchNorm costs
 (``layer+dbn / layer``, ``p2c1+dbn / p2c1``, ``p2c4+dbn / p2c4``) and where the main job
@@ -31,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from _common import clone, interleave, machine, paired_ratio, pin_malloc
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from seqpipe import Pipe
 from seqpipe.core.batchnorm import convert_deferred_batch_norm
@@ -38,6 +53,8 @@ from seqpipe.demo import build_model, make_data
 
 PAIRS = [("layer+dbn", "layer"), ("p2c1+dbn", "p2c1"), ("p2c4+dbn", "p2c4"),
          ("p1c1", "plain"), ("p2c1", "plain"), ("p2c4", "plain"), ("p2c4+dbn", "plain")]
+BREAKDOWN = [("plain/4", "plain"), ("plain/4+ck", "plain/4"), ("p1c4+dbn", "plain/4+ck"),
+             ("p2c4+dbn", "p1c4+dbn")]
 
 
 def layer_step(deferred: bool, x: Tensor) -> Callable[[], None]:
@@ -55,11 +72,18 @@ def layer_step(deferred: bool, x: Tensor) -> Callable[[], None]:
     return step
 
 
-def plain_step(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
+def plain_step(model: nn.Module, x: Tensor, y: Tensor, chunks: int = 1,
+               recompute: bool = False) -> Callable[[], None]:
+    """The unpipelined step, over ``chunks`` micro-batches one after another (all but the
+    last under ``torch.utils.checkpoint`` with ``recompute``)."""
     def step() -> None:
         for p in model.parameters():
             p.grad = None
-        F.cross_entropy(model(x), y).backward()
+        parts = list(zip(x.chunk(chunks), y.chunk(chunks)))
+        for i, (xs, ys) in enumerate(parts):
+            out = (checkpoint(model, xs, use_reentrant=False)
+                   if recompute and i < len(parts) - 1 else model(xs))
+            (F.cross_entropy(out, ys) * (len(xs) / len(x))).backward()
     return step
 
 
@@ -77,12 +101,37 @@ def pipe_step(model: nn.Sequential, x: Tensor, y: Tensor, partitions: int, chunk
     return step
 
 
+def accuracy() -> None:
+    """The running variance's relative error against float64 truth (see ``--accuracy``)."""
+    torch.manual_seed(0)
+    for mean, std in ((0.0, 1.0), (100.0, 1.0), (1000.0, 0.01)):
+        x = torch.randn(32, 16, 16, 16) * std + mean
+        truth = x.double().var((0, 2, 3), unbiased=True)
+        deferred = convert_deferred_batch_norm(nn.BatchNorm2d(16, momentum=1.0))
+        for part in x.chunk(4):
+            deferred(part)
+        deferred.commit()  # type: ignore[operator]
+        plain = nn.BatchNorm2d(16, momentum=1.0)
+        plain(x)
+        errors = [((bn.running_var.double() - truth).abs() / truth).max().item()
+                  for bn in (deferred, plain)]
+        print(f"mean {mean:g}, std {std:g}: running_var max relative error: deferred "
+              f"{errors[0]:.1e}, plain BatchNorm on the whole batch {errors[1]:.1e}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the main job's step a factor at a time")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="print the running variance's error instead of timing")
     args = parser.parse_args(argv)
+    if args.accuracy:
+        accuracy()
+        return 0
     pin_malloc()
     torch.manual_seed(0)
     model = build_model()
@@ -98,15 +147,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         "p2c4": pipe_step(clone(model), x, y, 2, 4, False),
         "p2c4+dbn": pipe_step(clone(model), x, y, 2, 4, True),
     }
+    pairs = list(PAIRS)
+    if args.breakdown:
+        variants["plain/4"] = plain_step(clone(model), x, y, 4)
+        variants["plain/4+ck"] = plain_step(clone(model), x, y, 4, recompute=True)
+        variants["p1c4+dbn"] = pipe_step(clone(model), x, y, 1, 4, True)
+        pairs += BREAKDOWN
     samples = interleave(variants, rounds=args.rounds, warmup=args.warmup)
     print(f"# the demo CNN, batch {args.batch}, {args.rounds} interleaved rounds; {machine()}")
     for name, s in samples.items():
-        print(f"{name:<10} median {s.median * 1e3:7.2f} ms  "
+        print(f"{name:<11} median {s.median * 1e3:7.2f} ms  "
               f"cpu {statistics.median(s.cpu) * 1e3:7.2f} ms")
-    for a, b in PAIRS:
+    for a, b in pairs:
         wall = paired_ratio(samples[a], samples[b])
         cpu = paired_ratio(samples[a], samples[b], cpu=True)
-        print(f"{a:>9} / {b:<6} wall {wall:.3f}  cpu {cpu:.3f}")
+        print(f"{a:>10} / {b:<10} wall {wall:.3f}  cpu {cpu:.3f}")
     return 0
 
 

@@ -74,18 +74,18 @@ def test_on_cpu_the_demo_says_why_the_pipeline_is_slower(capsys: pytest.CaptureF
     already use: the demo says so beside its numbers, and not when there is one thread."""
     import torch
 
-    from seqpipe.demo import _print_baselines
+    from seqpipe.demo_baseline import print_baselines
 
     args = parse_args(["--chunks", "2", "--checkpoint", "never"])
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    _print_baselines(1600.0, 1200.0, torch.device("cpu"), ["cpu", "cpu"], args)
+    print_baselines(1600.0, 1200.0, torch.device("cpu"), ["cpu", "cpu"], args)
     out = capsys.readouterr().out
     assert out.startswith("unpipelined on cpu: 1600.0 samples/s; in the pipeline's 2 "
                           "micro-batches with checkpoint='never', still unpipelined: "
                           "1200.0 samples/s\n")
     assert "with 2 intra-op threads" in out and "has no idle device to fill" in out
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    _print_baselines(1600.0, 1200.0, torch.device("cpu"), ["cpu", "cpu"], args)
+    print_baselines(1600.0, 1200.0, torch.device("cpu"), ["cpu", "cpu"], args)
     assert "intra-op" not in capsys.readouterr().out
 
 
