@@ -37,13 +37,12 @@ stands against the plain model. Run it on main and on a branch to compare them:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from _common import clone, interleave, machine, paired_ratio, pin_malloc
+from _common import clone, interleave, machine, pin_malloc, print_ratios
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -155,13 +154,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         pairs += BREAKDOWN
     samples = interleave(variants, rounds=args.rounds, warmup=args.warmup)
     print(f"# the demo CNN, batch {args.batch}, {args.rounds} interleaved rounds; {machine()}")
-    for name, s in samples.items():
-        print(f"{name:<11} median {s.median * 1e3:7.2f} ms  "
-              f"cpu {statistics.median(s.cpu) * 1e3:7.2f} ms")
-    for a, b in pairs:
-        wall = paired_ratio(samples[a], samples[b])
-        cpu = paired_ratio(samples[a], samples[b], cpu=True)
-        print(f"{a:>10} / {b:<10} wall {wall:.3f}  cpu {cpu:.3f}")
+    print_ratios(samples, pairs)
     return 0
 
 
