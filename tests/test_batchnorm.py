@@ -280,3 +280,30 @@ def test_low_precision_inputs(dtype):
     for name in ("running_mean", "running_var"):
         assert getattr(bn, name).dtype == dtype
         assert_close(getattr(bn, name), getattr(plain, name), rtol=2 * ulp, atol=0)
+
+
+def test_an_unpickled_deferred_batchnorm_starts_empty_and_trains() -> None:
+    """``torch.save`` of a whole model pickles the layer with whatever it had accumulated,
+    and pickles of earlier versions hold ``_count``/``_sum``/``_m2`` instead of ``_stats``:
+    a loaded layer starts with empty accumulators, then matches a plain BatchNorm. (A
+    converted layer's class is made at run time and does not pickle; torchgpipe's
+    ``DeferredBatchNorm`` is a class of its own, built directly.)"""
+    import io
+
+    from seqpipe.compat.torchgpipe.batchnorm import DeferredBatchNorm
+
+    torch.manual_seed(0)
+    saved = nn.Sequential(DeferredBatchNorm(3, chunks=2))
+    saved(torch.randn(6, 3))  # pending, not committed: not carried over
+    saved[0].__dict__.update(_count=6, _sum=torch.zeros(3), _m2=torch.zeros(3))  # as before
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)[0]
+    assert not hasattr(loaded, "_count") and loaded._stats == []
+    plain = nn.BatchNorm1d(3)
+    plain.load_state_dict(loaded.state_dict())
+    x = torch.randn(8, 3) * 2 + 1
+    for part in x.chunk(2):
+        loaded(part)  # commits after its second forward (chunks=2)
+    plain(x)
+    assert_same_stats(loaded, plain)

@@ -10,7 +10,7 @@ BatchNorm would reach on the whole mini-batch, with the unbiased variance PyTorc
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Tuple, Type, TypeVar, cast
+from typing import Any, Dict, List, Tuple, Type, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,14 @@ class DeferredBatchNorm(_BatchNorm):
     """
 
     _stats: List[Tuple[int, Tensor]]  # per micro-batch: (count, [mean, unbiased var])
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Unpickled (``torch.load`` of a whole model): the accumulators start empty,
+        whatever a pickle of this or an older version held (``_count``/``_sum``/``_m2``)."""
+        super().__setstate__(state)
+        for stale in ("_count", "_sum", "_m2"):
+            self.__dict__.pop(stale, None)
+        self._reset_accumulators()
 
     def _reset_accumulators(self) -> None:
         self._stats = []
