@@ -6,13 +6,14 @@ picked in advance, where another process could take it first), runs
 ``fn(rank, world_size, *args)``, tears the group down and ends normally, through the
 interpreter's whole teardown, as a user's script under torchrun does (and checks that the
 default group did not outlive ``destroy_process_group()``, which can make that teardown
-abort). A worker that must end without the collective teardown says so itself, with
-``os._exit``, which also skips the exit handler that sees a failed call's news out
-(``seqpipe.distributed.inflight``): a killed rank's peers end normally, as a user's script
-does. The parent waits at most ``timeout`` seconds; a hang kills every worker and fails the
-test instead of stalling CI. A worker's exception fails the
+abort). No worker skips that teardown (``os._exit`` would also skip the exit handler that
+sees a failed call's news out, ``seqpipe.distributed.inflight``): the survivors of a failure
+end normally, as a user's script does, and a test of a crash kills its rank for real
+(``SIGKILL``, named in ``killed=``). The parent waits at most ``timeout`` seconds; a hang
+kills every worker and fails the test instead of stalling CI. A worker's exception fails the
 test with the worker's traceback, and so does a worker that ends with a non-zero status
-or a signal after its function returned (an abort in the interpreter's teardown).
+or a signal after its function returned (an abort in the interpreter's teardown), or a
+``killed`` rank that ends any other way than by ``SIGKILL``.
 
 The workers are forks of one server process per test session, ``tests/worker_zygote.py``,
 that has imported torch, seqpipe and what the tests use once (``PRELOAD``): a worker
@@ -127,10 +128,12 @@ class _Zygote:
             if message[0] == kind and message[1] == launch:
                 return message
 
-    def run(self, jobs: List[tuple], timeout: float, what: str) -> Dict[int, int]:
+    def run(self, jobs: List[tuple], timeout: float, what: str,
+            killed: Sequence[int] = ()) -> Dict[int, int]:
         """Fork one worker per job; return {rank: exit code} once every one has ended, or
-        at the first that failed (the others killed). Raise TimeoutError after ``timeout``
-        seconds, every worker killed and reaped."""
+        at the first that failed (the others killed); a rank in ``killed`` that ends by
+        ``SIGKILL`` has not failed. Raise TimeoutError after ``timeout`` seconds, every
+        worker killed and reaped."""
         launch = next(self.launches)
         common = dict(env=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path))
         deadline = time.monotonic() + timeout
@@ -140,7 +143,7 @@ class _Zygote:
         rank_of = {pid: rank for rank, pid in enumerate(started[2])}
         codes: Dict[int, int] = {}
         try:
-            while len(codes) < len(jobs) and not any(codes.values()):
+            while len(codes) < len(jobs) and not any(_failed(codes, killed)):
                 message = self._next(launch, "exited", deadline - time.monotonic())
                 if message is None:
                     running = sorted(set(rank_of.values()) - set(codes))
@@ -160,13 +163,21 @@ class _Zygote:
 _zygote: Optional[_Zygote] = None
 
 
+def _failed(codes: Dict[int, int], killed: Sequence[int]) -> List[int]:
+    """The ranks whose exit code is a failure: not 0, or for a rank in ``killed`` (a test
+    of a crash), not ``SIGKILL``."""
+    return [rank for rank, code in codes.items()
+            if code != (-signal.SIGKILL if rank in killed else 0)]
+
+
 def _exit_status(code: int) -> str:
     if code < 0:
         return f"was killed by signal {signal.Signals(-code).name} ({-code})"
     return f"ended with status {code}"
 
 
-def _run_forked(world_size: int, folder: str, entry_args: tuple, timeout: float) -> None:
+def _run_forked(world_size: int, folder: str, entry_args: tuple, timeout: float,
+                killed: Sequence[int]) -> None:
     global _zygote
     if _zygote is None:
         _zygote = _Zygote()
@@ -174,13 +185,15 @@ def _run_forked(world_size: int, folder: str, entry_args: tuple, timeout: float)
              for rank in range(world_size)]
     jobs = [(pickle.dumps((_entry, (rank, *entry_args))), *files[rank])
             for rank in range(world_size)]
-    codes = _zygote.run(jobs, timeout, f"{world_size} workers")
-    failed = [rank for rank, code in codes.items() if code != 0]
+    codes = _zygote.run(jobs, timeout, f"{world_size} workers", killed)
+    failed = _failed(codes, killed)
     if not failed:
         return
     rank = failed[0]
     error_file, done_file = files[rank]
     status = _exit_status(codes[rank])
+    if rank in killed and codes[rank] == 0:
+        raise WorkerFailed(f"rank {rank} was to be killed by SIGKILL, but {status}")
     if os.path.exists(error_file):
         with open(error_file) as file:
             raise WorkerFailed(f"rank {rank} raised (it then {status}):\n{file.read()}")
@@ -194,7 +207,7 @@ def _run_forked(world_size: int, folder: str, entry_args: tuple, timeout: float)
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
                 pg_timeout: float = 30.0, backend: str = "gloo",
-                fresh_interpreter: bool = False) -> None:
+                fresh_interpreter: bool = False, killed: Sequence[int] = ()) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; raise on failure.
 
     ``fn`` and ``args`` must pickle (a module-level function). ``backend="nccl"`` gives
@@ -202,15 +215,18 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     interpreter that imports only what ``fn``'s module imports (seconds slower per launch);
     by default the workers fork from the preloaded zygote (see the module's docstring).
     Either way a worker ends through the interpreter's whole teardown, and a failure there
-    fails the call (``WorkerFailed``, naming the signal or status).
+    fails the call (``WorkerFailed``, naming the signal or status). ``killed``: ranks that
+    ``fn`` kills with ``SIGKILL`` (a test of a crash); each must end that way (forked
+    workers only).
     """
+    assert not (killed and fresh_interpreter), "killed= needs the forked workers"
     assert 1 <= world_size <= 4, "CI runs at most 4 processes"
     folder = tempfile.mkdtemp(prefix="seqpipe-test-pg-")
     store = os.path.join(folder, "store")
     try:
         if not fresh_interpreter:
             _run_forked(world_size, folder, (world_size, store, pg_timeout, backend, fn, args),
-                        timeout)
+                        timeout, killed)
             return
         context = mp.start_processes(_entry, args=(world_size, store, pg_timeout, backend,
                                                    fn, args),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import signal
 import time
 from datetime import timedelta
 from typing import List, Tuple
@@ -136,7 +137,7 @@ def _killed(rank: int, world: int) -> None:
     late = _pipe(nn.Linear(4, 4), "1f1b", dist.new_group(list(range(world))))
     dist.barrier()  # every rank has connected its pipelines' groups before one dies
     if rank == 1:
-        os._exit(0)  # dies without a word, like a SIGKILLed process
+        os.kill(os.getpid(), signal.SIGKILL)  # dies without a word
     started = time.monotonic()
     with pytest.raises(PeerError) as info:
         _step(pipe, rank, world)
@@ -162,7 +163,7 @@ def test_killed_rank_raises_on_the_others() -> None:
     """A rank that dies is named by the others, within seconds; and the news that a rank
     relays about it before ending at once reaches its peer as sent (it once read "lost
     stage 0" there when stage 0 ended with ``os._exit`` before its abort went out)."""
-    run_workers(_killed, 3, timeout=90, pg_timeout=PG_TIMEOUT)
+    run_workers(_killed, 3, timeout=90, pg_timeout=PG_TIMEOUT, killed=[1])
 
 
 STALL_TIMEOUT = 4.0
@@ -182,7 +183,7 @@ def _stalled(rank: int, world: int, folder: str) -> None:
         deadline = time.monotonic() + SILENCE
         while not all(map(os.path.exists, gave_up)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        os._exit(0)  # its peers gave up on it: no collective teardown to join
+        return  # and ends as a script does: its peers gave up on it, the group lives on
     started = time.monotonic()
     with pytest.raises(PeerError) as info:
         _step(pipe, rank, world)
@@ -192,7 +193,8 @@ def _stalled(rank: int, world: int, folder: str) -> None:
     # stage 1 was still silent (a hang would have lasted until it ended).
     assert STALL_TIMEOUT / 2 < elapsed < SILENCE, f"raised after {elapsed:.1f} s"
     open(gave_up[rank // 2], "w").close()
-    os._exit(0)  # the group lost a member; skip the collective teardown
+    # and ends as a user's script does, through destroy_process_group() and the whole
+    # interpreter teardown, exit handlers included
 
 
 def test_stalled_rank_raises_within_the_group_timeout(tmp_path: pathlib.Path) -> None:

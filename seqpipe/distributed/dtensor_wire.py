@@ -22,8 +22,10 @@ is handed over in memory.
 
 What cannot be rebuilt is refused, naming the mend: a mesh without dimension names or a
 placement other than ``Shard``, ``Replicate`` and ``Partial`` (on the sender, before it
-sends), and a receiver with no mesh of the sender's dimension names, or on another
-coordinate of it (on the receiver).
+sends), and a receiver with no mesh of the sender's dimension names, on another
+coordinate of it, or given a ``DistributedPipe(mesh=...)`` whose sub-mesh of those names
+holds other ranks than the one its layers' ``DTensor`` parameters are split on (on the
+receiver; it fails the call, so every rank of the pipeline raises).
 """
 from __future__ import annotations
 
@@ -262,6 +264,7 @@ class Crossing:
         mesh = self._meshes.get(names)
         if mesh is None:
             mesh = self._find(names, description, src, kind, name)
+            self._check_parameters(mesh, names, description, src, kind, name)
             self._meshes[names] = mesh
         coordinate = tuple(mesh.get_coordinate() or ())
         if tuple(mesh.shape) != description.sizes or coordinate != description.coordinate:
@@ -274,6 +277,33 @@ class Crossing:
                 f"a pipeline's ranks share their tensor-parallel coordinate), and pass that "
                 f"mesh as DistributedPipe(mesh=...)")
         return mesh
+
+    def _check_parameters(self, mesh: Any, names: Tuple[str, ...], description: _Description,
+                          src: int, kind: Kind, name: _Name) -> None:
+        """``ValueError`` unless ``mesh`` (of ``DistributedPipe(mesh=...)``) holds the same
+        ranks as this rank's ``DTensor`` parameters' meshes of ``names``: a received
+        activation rebuilt on another mesh than the layers that take it were split on
+        meets them on other ranks (torch then refuses on some ranks only, and the rank
+        whose coordinate happens to differ would blame the pipeline groups)."""
+        if self._mesh is None:
+            return  # found among the parameters' meshes themselves
+        ranks = mesh.mesh.tolist()
+        seen: Dict[int, Any] = {}
+        for stage in self._stages.values():
+            for p in stage.partition.parameters():
+                if is_dtensor(p) and set(names) <= set(p.device_mesh.mesh_dim_names or ()):
+                    seen.setdefault(id(p.device_mesh), p.device_mesh)
+        for theirs in seen.values():
+            sub = theirs if tuple(theirs.mesh_dim_names) == names else theirs[
+                names[0] if len(names) == 1 else names]
+            if sub.mesh.tolist() != ranks:
+                raise ValueError(
+                    f"{name(None)} received a DTensor {WHAT[kind]} from {name(src)} "
+                    f"({description.shown()}) to rebuild on DistributedPipe(mesh=...)'s "
+                    f"{names} dimensions, ranks {ranks}, but its layers' DTensor parameters "
+                    f"are split over ranks {sub.mesh.tolist()} on those dimensions: pass "
+                    f"the mesh the tensor-parallel layers were split on (the one the "
+                    f"pipeline groups come from) as DistributedPipe(mesh=...)")
 
     def _find(self, names: Tuple[str, ...], description: _Description, src: int,
               kind: Kind, name: _Name) -> Any:

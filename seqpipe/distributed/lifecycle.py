@@ -39,6 +39,7 @@ from seqpipe.distributed.fsdp import ShardedStep
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
 from seqpipe.distributed.step import Call, LossFn
 from seqpipe.distributed.tie_grads import TieGrads
+from seqpipe.distributed.tie_local import LocalTies
 from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.schedule import Action, AnySchedule, Phase, Placement, validate_schedule
@@ -102,6 +103,8 @@ class CallLifecycle:
         self.sharded_failure_checks = False
         # where a DTensor received from another stage is rebuilt (DistributedPipe(mesh=...))
         self.mesh: Optional[DeviceMesh] = None
+        # parameters this rank's layers share: still one at each step (wrappers untie them)
+        self.local_ties: Optional[LocalTies] = None
         self.rank = transport.index
         self.num_ranks = placement.num_ranks
         self.num_stages = placement.num_stages
@@ -279,6 +282,8 @@ class CallLifecycle:
                 self.tied.set_aside(sharded)  # (FSDP2's copies: before FSDP2 reduces them)
             batches, plan = self.open(call, input, chunks)
             sharded.check(self.reducer.group if self.reducer is not None else None)
+            if self.local_ties is not None:  # (after open: a failure reaches every rank)
+                self.local_ties.check()
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
                 replicas = (sharded.replicas(self.num_stages - 1, self.device)

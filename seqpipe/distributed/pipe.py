@@ -36,6 +36,7 @@ from seqpipe.distributed.mesh_reduce import MeshReduce
 from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.tie_grads import TieGrads
+from seqpipe.distributed.tie_local import LocalTies
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Transport
 from seqpipe.graph.origin import Origin, model_output
@@ -236,6 +237,7 @@ class DistributedPipe(nn.Module):
                                     broadcast_buffers=self.broadcast_buffers)
         self._calls.sharded_failure_checks = bool(sharded_failure_checks)
         self._calls.mesh = check_mesh(mesh)
+        self._calls.local_ties = LocalTies.of(self, self.layer_names)
 
     @property
     def stage_modules(self) -> Tuple[nn.Sequential, ...]:
