@@ -16,9 +16,11 @@ self-time categories:
 
 and whatever is left of the step ("rest": schedule bookkeeping, Python, the barrier exit).
 
-A *what-if* variant, ``seqpipe <clock> lazy``, posts each receive only when the message is
-needed instead of as soon as the previous one from that peer was taken
-(``Transport.ahead = False``): what receiving ahead buys.
+*What-if* variants (``--what-if``): ``seqpipe <clock> lazy`` posts each receive only when
+the message is needed instead of as soon as the previous one from that peer was taken
+(``Transport.ahead = False``): what receiving ahead buys; ``seqpipe <clock> unsplit`` runs
+each stage's last backward whole, as before session 9 (its plan built without
+``plan.split_tails``): what splitting it buys.
 
 ``--timeline NAME ...`` prints one step's events per rank for the named variants.
 
@@ -39,6 +41,7 @@ import threading
 import time
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -59,11 +62,11 @@ from dist_vs_torch_pipelining import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 import seqpipe.core.stage as seq_stage
-import seqpipe.distributed.step as seq_step
+import seqpipe.distributed.plan as seq_plan
 from seqpipe.distributed import DistributedPipe
 from seqpipe.distributed.transport import HEADER_SLOTS, Transport
 
-WHAT_IF = "lazy"
+WHAT_IFS = ("lazy", "unsplit")
 
 
 # -- a self-time profiler --------------------------------------------------------------
@@ -114,7 +117,9 @@ def instrument() -> None:
     patches: List[Tuple[Any, str, Any]] = [
         (seq_stage.Stage, "forward", "compute F"),
         (seq_stage.Stage, "backward", "compute B"),
-        (seq_step.Call, "_loss", "loss"),
+        (seq_stage.Stage, "backward_input", "compute B"),  # I, of a split last backward
+        (seq_stage.Stage, "backward_weight", "compute W"),
+        (seq_stage.Stage, "loss", "loss"),
         (Transport, "recv", "recv wait"),
         (Transport, "_post", "post recvs"),
         (Transport, "_release", "release sends"),
@@ -131,26 +136,33 @@ def instrument() -> None:
         setattr(owner, name, CLOCK.wrap(label, getattr(owner, name)))
 
 
-# -- the what-if variant ---------------------------------------------------------------
-def lazy_steps(variants: Variants, rank: int, model: torch.nn.Sequential,
-               chunks: int) -> Dict[str, Callable[[], None]]:
-    """seqpipe with receives posted only when a message is needed (as on NCCL)."""
+# -- the what-if variants -------------------------------------------------------------
+def what_if_steps(variants: Variants, rank: int, model: torch.nn.Sequential, chunks: int,
+                  kinds: Sequence[str]) -> Dict[str, Callable[[], None]]:
+    """seqpipe with receives posted only when a message is needed (as on NCCL), and with
+    each stage's last backward run whole (not as I then W)."""
     half = len(model) // 2
     steps = {}
-    for clock in ("fill_drain", "1f1b"):
-        pipe = DistributedPipe(copy.deepcopy(model), chunks=chunks, balance=[half, half],
-                               schedule=clock, checkpoint="never", device="cpu")
-        pipe._transport.ahead = False
-        x = variants.x if rank == 0 else None
-        y = variants.y if rank == 1 else None
-        params = list(pipe.parameters())
+    for kind in kinds:
+        for clock in ("fill_drain", "1f1b"):
+            pipe = DistributedPipe(copy.deepcopy(model), chunks=chunks, balance=[half, half],
+                                   schedule=clock, checkpoint="never", device="cpu")
+            if kind == "lazy":
+                pipe._transport.ahead = False
+            else:  # the plan of a call of ``chunks`` made (and kept) without the split
+                with mock.patch.object(seq_plan, "split_tails",
+                                       lambda actions, placement: [list(a) for a in actions]):
+                    pipe._calls.plan(chunks, True)
+            x = variants.x if rank == 0 else None
+            y = variants.y if rank == 1 else None
+            params = list(pipe.parameters())
 
-        def step(pipe: DistributedPipe = pipe, params: List[Any] = params,
-                 x: Any = x, y: Any = y) -> None:
-            for p in params:
-                p.grad = None
-            pipe.train_step(x, y, loss_fn)
-        steps[f"seqpipe {clock} {WHAT_IF}"] = step
+            def step(pipe: DistributedPipe = pipe, params: List[Any] = params,
+                     x: Any = x, y: Any = y) -> None:
+                for p in params:
+                    p.grad = None
+                pipe.train_step(x, y, loss_fn)
+            steps[f"seqpipe {clock} {kind}"] = step
     return steps
 
 
@@ -166,8 +178,7 @@ def breakdown_rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> 
     variants = Variants(model, rank, args.chunks, args.micro_batch, args.width,
                         only=(*SEQ, *TORCH, ONE))
     steps = {name: variants.steps[name] for name in (*SEQ, *TORCH)}
-    if args.what_if:
-        steps.update(lazy_steps(variants, rank, model, args.chunks))
+    steps.update(what_if_steps(variants, rank, model, args.chunks, args.what_if))
     names = list(steps)
     for _ in range(args.warmup):
         for name in names:
@@ -321,8 +332,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--latency", action="store_true", help="also time single receives")
     parser.add_argument("--timeline", nargs="*", default=[],
                         help="variants to print one step's timeline of, e.g. 'seqpipe 1f1b'")
-    parser.add_argument("--no-what-if", dest="what_if", action="store_false",
-                        help="skip the 'lazy' variants (receives posted only when needed)")
+    parser.add_argument("--what-if", nargs="*", default=["lazy"], choices=WHAT_IFS,
+                        help="what-if variants: 'lazy' (receives posted only when needed), "
+                             "'unsplit' (each stage's last backward whole); none: --what-if")
     args = parser.parse_args(argv)
     print(f"# {machine_line()} (at start)", file=sys.stderr, flush=True)
     answers = dict(spawn(breakdown_rank, args))

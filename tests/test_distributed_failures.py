@@ -79,18 +79,41 @@ def _first_forward_fails(rank: int, world: int) -> None:
     model = nn.Sequential(Boom(1), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     pipe = DistributedPipe(model, chunks=4, balance=[1, 2, 1], schedule="1f1b",
                            checkpoint="never", group=dist.new_group(list(range(world))))
-    with pytest.raises(Exception) as info:
-        _step(pipe, rank, world)
-    exc, failure = info.value, "stage 0 failed in the forward of micro-batch 0"
-    if rank == 0:
-        assert isinstance(exc, ZeroDivisionError) and failure in " ".join(exc.__notes__)
-    else:
-        assert isinstance(exc, PeerError) and failure in str(exc), repr(exc)
+    exc = _fails(pipe, rank, world, 0, "stage 0 failed in the forward of micro-batch 0")
+    if rank != 0:
         waiting = ("stage 1 was at forward of micro-batch 0 on stage 1, waiting for the "
                    "activation from stage 0" if rank == 1 else
                    "stage 2 was at start of the step, waiting for the start of the step "
                    "from stage 0")
         assert waiting in str(exc), str(exc)
+
+
+def _last_weight_half_fails(rank: int, world: int) -> None:
+    """The middle stage's last backward runs as I then W (``plan.split_tails``): its
+    weights' hook raises in W, after it sent stage 0 the last gradient, and every rank
+    still raises, naming it (it tells stage 0 it is done after W, so stage 0 waits)."""
+    boom = nn.Linear(4, 4)
+    boom.weight.register_post_accumulate_grad_hook(_raise_in_weight_gradient)
+    pipe = _pipe(boom, "1f1b", dist.new_group(list(range(world))))
+    _fails(pipe, rank, world, 1, "stage 1 failed in the backward_weight of micro-batch 3")
+
+
+def _fails(pipe: DistributedPipe, rank: int, world: int, failing: int,
+           failure: str) -> BaseException:
+    """A step of ``pipe`` raises on every rank, naming ``failure``: rank ``failing`` its own
+    ``ZeroDivisionError`` (with the note), the others a ``PeerError``."""
+    with pytest.raises(Exception) as info:
+        _step(pipe, rank, world)
+    exc = info.value
+    if rank == failing:
+        assert isinstance(exc, ZeroDivisionError) and failure in " ".join(exc.__notes__)
+    else:
+        assert isinstance(exc, PeerError) and failure in str(exc), repr(exc)
+    return exc
+
+
+def _raise_in_weight_gradient(param: torch.Tensor) -> None:
+    raise ZeroDivisionError("boom in a weight gradient")
 
 
 def _injected(rank: int, world: int) -> None:
@@ -103,6 +126,7 @@ def _injected(rank: int, world: int) -> None:
                 _step(pipe, rank, world)
             _check_injected(info.value, rank, "backward" if in_backward else "forward")
     _first_forward_fails(rank, world)
+    _last_weight_half_fails(rank, world)
     pipe = _pipe(nn.Linear(4, 4), "1f1b", dist.new_group(list(range(world))))
     with pytest.raises(Exception) as info:
         _step(pipe, rank, world, _vector_loss)
@@ -123,7 +147,8 @@ def _injected(rank: int, world: int) -> None:
 
 
 def test_exception_in_one_stage_raises_on_every_rank() -> None:
-    """Forward and backward failures under both clocks, and a bad loss_fn."""
+    """Forward and backward failures under both clocks (and in the weight half of a middle
+    stage's last backward), and a bad loss_fn."""
     run_workers(_injected, 3, timeout=150)
 
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from seqpipe.distributed.plan import (
     OPENING,
     Planned,
+    call_actions,
     channels,
     closer,
     messages,
@@ -123,6 +124,34 @@ def test_two_stages_three_microbatches_1f1b_exactly() -> None:
         OPENING, P(Kind.ACTIVATION, 0, -1, 0, 0, 0), P(Kind.ACTIVATION, 1, -1, 1, 1, 0),
         P(Kind.ACTIVATION, 2, -1, 2, 2, 0)]
     assert messages(1, 0, forward, no_skips(2), False) == [P(Kind.DONE, -1, -1, 3, 3)]
+
+
+def _named(orders: Sequence[Sequence[Action]]) -> List[str]:
+    return [" ".join(f"{a.stage}{a.phase.letter}{a.microbatch}" for a in order)
+            for order in orders]
+
+
+def test_a_stages_last_backward_runs_as_i_then_w_where_another_rank_waits_on_it() -> None:
+    # The upstream rank waits for that backward's input gradients to run its own last
+    # backward: the weight half comes after they are sent (stage 0 has no upstream).
+    assert _named(call_actions(get_schedule("1f1b"), 2, 3, True)) == [
+        "0F0 0F1 0B0 0F2 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1I2 1W2"]
+    assert _named(call_actions(get_schedule("fill_drain"), 2, 3, True)) == [
+        "0F0 0F1 0F2 0B2 0B1 0B0", "1F0 1F1 1F2 1B2 1B1 1I0 1W0"]
+    four = _named(call_actions(get_schedule("1f1b"), 4, 4, True))
+    assert [order.split()[-2:] for order in four] == [
+        ["0B2", "0B3"], ["1I3", "1W3"], ["2I3", "2W3"], ["3I3", "3W3"]]
+    # stage s on rank s mod 2: every stage but 0 has its upstream on the other rank
+    assert [order.split()[-4:] for order in
+            _named(call_actions(get_schedule("interleaved_1f1b"), 2, 4, True))] == [
+        ["2I3", "2W3", "0B2", "0B3"], ["3W3", "1B2", "1I3", "1W3"]]
+    # forward only: nothing to split
+    assert _named(call_actions(get_schedule("1f1b"), 2, 3, False))[1] == "1F0 1F1 1F2"
+    # a middle stage's weight half runs after its last message: it tells stage 0 it is
+    # done, so that a failure there still reaches every rank
+    orders = call_actions(get_schedule("1f1b"), 3, 3, True)
+    assert kinds(messages(1, 0, orders, no_skips(3), True))[-1] == ("DONE", -1, -1)
+    assert kinds(messages(2, 0, orders, no_skips(3), True))[-1] == ("LOSS", -1, -1)
 
 
 def test_fill_drain_gradients_come_in_reverse_microbatch_order() -> None:

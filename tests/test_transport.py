@@ -547,13 +547,14 @@ def _cycle(firsts: List[List[Tuple[str, int, int, str, int]]]) -> Optional[str]:
 def _step_edges(rank: int, world: int, rec: Recorder, failures: Failures, what: str) -> None:
     """One train step's control messages (1F1B, one stage per rank): the rank of stage 0
     tells stage 1 of the call before its first forward and the other stages after it;
-    the last stage sends the loss to every rank, stage 0 DONE to every rank; and a rank
-    waits only with every receive it can post posted."""
+    the last stage sends the loss to every rank, stage 0 DONE to every rank, and a middle
+    stage DONE to stage 0 (its last backward's weight half runs after its last message:
+    ``plan.split_tails``); and a rank waits only with every receive it can post posted."""
     control = [(dst, kind) for dst, kind, _, _, _ in rec.messages
                if kind in (Kind.STEP, Kind.LOSS, Kind.DONE)]
     others = [r for r in range(world) if r != rank]
     expected = {0: [(r, Kind.STEP) for r in others] + [(r, Kind.DONE) for r in others],
-                world - 1: [(r, Kind.LOSS) for r in others]}.get(rank, [])
+                world - 1: [(r, Kind.LOSS) for r in others]}.get(rank, [(0, Kind.DONE)])
     failures.expect(control == expected, f"{what}: control messages {control}")
     if rank == 0:
         first = [(dst, kind, mb) for dst, kind, mb, _, _ in rec.messages[:world]]

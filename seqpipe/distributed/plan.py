@@ -46,8 +46,8 @@ from seqpipe.schedule.protocol import stage_named as _staged
 from seqpipe.schedule.protocol import staged_orders
 from seqpipe.skip.layout import SkipLayout
 
-__all__ = ["Planned", "OPENING", "call_actions", "messages", "closer", "channels",
-           "pipeline_channels"]
+__all__ = ["Planned", "OPENING", "call_actions", "split_tails", "messages", "closer",
+           "channels", "pipeline_channels"]
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,42 @@ def closer(num_stages: int, grad: bool) -> int:
 def call_actions(schedule: AnySchedule, num_ranks: int, m: int,
                  grad: bool) -> List[List[Action]]:
     """What every rank runs in a call of ``m`` micro-batches (forwards only without grad),
-    each action naming its stage (stage ``r`` on rank ``r`` for a one-stage schedule)."""
+    each action naming its stage (stage ``r`` on rank ``r`` for a one-stage schedule), with
+    each stage's last backward split where another rank waits on it (``split_tails``)."""
     actions = staged_orders(schedule, num_ranks, m)
-    return actions if grad else [forward_phase(a) for a in actions]
+    if not grad:
+        return [forward_phase(a) for a in actions]
+    return split_tails(actions, placement_of(schedule, num_ranks))
+
+
+def split_tails(actions: Sequence[Sequence[Action]], placement: Placement) -> List[List[Action]]:
+    """``actions`` with the last ``B`` of each stage whose upstream stage is on another rank
+    run as ``I`` then ``W`` (the same gradients, and the same hooks, as the whole backward:
+    ``seqpipe.core.split_backward``).
+
+    Why: at the end of a step the upstream rank waits for that backward's input gradients,
+    and then runs its own last backward, which the rank after it waits for in turn. The
+    weight gradients (``W``, about half a backward) are wanted by nobody before the step
+    ends, so sending the input gradients first takes them off that chain: a 2-stage
+    1F1B step ends a ``W`` sooner. Only the last ``B`` is split, as earlier ones overlap
+    with other work and a split costs a little (saved tensors recorded, two engine calls).
+    Every rank derives the same orders from the schedule, so the messages they plan agree.
+    """
+    out: List[List[Action]] = []
+    for rank, order in enumerate(actions):
+        last: Dict[int, int] = {}  # stage -> index of its last B
+        for n, action in enumerate(order):
+            s = action.stage
+            assert s is not None
+            if action.phase is Phase.BACKWARD and s > 0 and placement.rank_of(s - 1) != rank:
+                last[s] = n
+        split = list(order)
+        for n in sorted(last.values(), reverse=True):
+            i, s = split[n].microbatch, split[n].stage
+            split[n:n + 1] = [Action(Phase.BACKWARD_INPUT, i, s),
+                              Action(Phase.BACKWARD_WEIGHT, i, s)]
+        out.append(split)
+    return out
 
 
 def _positions(actions: Sequence[Action]) -> Dict[Tuple[Phase, int, Optional[int]], int]:
