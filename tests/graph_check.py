@@ -50,4 +50,11 @@ def train_both(name: str, step: Callable[[Any, Tensor], Tensor], params: Dict[st
         expect(param.detach(), theirs[key].detach(), f"{name}: {key} after the steps")
 
 
-__all__ = ["reference_loss", "train_both", "loss_of"]
+def close(tol: Dict[str, float]) -> Callable[[Tensor, Tensor, str], None]:
+    """An ``expect(actual, wanted, what)`` for ``train_both`` within ``tol``."""
+    def expect(actual: Tensor, wanted: Tensor, what: str) -> None:
+        torch.testing.assert_close(actual, wanted, **tol, msg=what)
+    return expect
+
+
+__all__ = ["close", "reference_loss", "train_both", "loss_of"]

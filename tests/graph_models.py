@@ -7,7 +7,14 @@
 * ``ResNet``: a small ResNet with BatchNorm (train mode), written here (torchvision's
   wheel does not load under torch+cpu);
 * ``gpt2``: Hugging Face GPT-2 from a tiny config (tied ``wte``/``lm_head``, attention
-  mask as a keyword), dropout off so losses compare exactly.
+  mask as a keyword), dropout off so losses compare exactly;
+* ``ZOO``: the other architectures users bring, each from a tiny Hugging Face config (2
+  layers, hidden 32, sequence 8, no weights downloaded), dropout off, in double precision:
+  Llama (rotary, RMSNorm, GQA, tied head), Mistral (sliding window), Qwen2 (sliding window
+  on one layer of two), BERT (``token_type_ids``, classification head), GPT-NeoX (partial
+  rotary, parallel residual), OPT, T5 and BART (encoder-decoder) and ViT (images); and
+  ``mixtral`` (mixture of experts) in bfloat16. The table of docs/models.md ("Models
+  tested") lists them.
 """
 from __future__ import annotations
 
@@ -111,17 +118,102 @@ def gpt2(layers: int = 2) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+VOCAB, LENGTH, LABELS = 64, 8, 3
+
+
+def zoo_model(name: str) -> nn.Module:
+    """``ZOO`` model ``name``, built on the current default device and dtype."""
+    import transformers as hf
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    ids = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    decoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                   **ids)
+    bert = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if name == "llama":
+        return hf.LlamaForCausalLM(hf.LlamaConfig(**decoder, tie_word_embeddings=True))
+    if name == "mixtral":  # 4 experts, 2 per token
+        return hf.MixtralForCausalLM(hf.MixtralConfig(**decoder, num_local_experts=4,
+                                                      num_experts_per_tok=2))
+    if name == "mistral":
+        return hf.MistralForCausalLM(hf.MistralConfig(**decoder, sliding_window=4))
+    if name == "qwen2":
+        return hf.Qwen2ForCausalLM(hf.Qwen2Config(**decoder, use_sliding_window=True,
+                                                  sliding_window=4, max_window_layers=1))
+    if name == "bert":
+        return hf.BertForSequenceClassification(hf.BertConfig(
+            vocab_size=VOCAB, max_position_embeddings=32, type_vocab_size=2,
+            num_labels=LABELS, **bert))
+    if name == "neox":
+        return hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=32, rotary_pct=0.5,
+            hidden_dropout=0.0, attention_dropout=0.0, **ids))
+    if name == "opt":
+        return hf.OPTForCausalLM(hf.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+            num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
+            dropout=0.0, attention_dropout=0.0, **ids))
+    if name == "t5":
+        return hf.T5ForConditionalGeneration(hf.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    if name == "bart":
+        return hf.BartForConditionalGeneration(hf.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1, **ids))
+    assert name == "vit", name
+    return hf.ViTForImageClassification(hf.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, num_labels=LABELS, **bert))
+
+
+ZOO = ("llama", "mistral", "qwen2", "bert", "neox", "opt", "t5", "bart", "vit")
+
+
 def build(name: str) -> nn.Module:
-    """A fresh model, the same on every call (and every rank), in double precision."""
+    """A fresh model, the same on every call (and every rank), in double precision (GPT-2:
+    float32)."""
     torch.manual_seed(0)
+    if name in ZOO:
+        return zoo_model(name).double()
+    if name == "mixtral":  # bfloat16: torch's grouped_mm traces only that (see docs/models.md)
+        return zoo_model(name).to(torch.bfloat16)
     model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2}[name]()
     return model.double() if name != "gpt2" else model
+
+
+def _zoo_example(name: str, batch: int, gen: torch.Generator
+                 ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
+    """The documented call of each ``ZOO`` model: a padded attention mask, ``use_cache=False``
+    where the model has a cache, ``token_type_ids`` for BERT, decoder ids for T5/BART."""
+    if name == "vit":
+        images = torch.randn(batch, 3, 8, 8, generator=gen, dtype=torch.double)
+        return (images,), {}, torch.randint(LABELS, (batch,), generator=gen)
+    ids = torch.randint(2, VOCAB, (batch, LENGTH), generator=gen)
+    mask = torch.ones(batch, LENGTH, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    target = torch.randint(VOCAB, (batch, LENGTH), generator=gen)
+    if name == "bert":
+        types = torch.zeros(batch, LENGTH, dtype=torch.long)
+        types[:, LENGTH // 2:] = 1
+        return (ids,), {"attention_mask": mask, "token_type_ids": types}, torch.randint(
+            LABELS, (batch,), generator=gen)
+    kwargs: Dict[str, Any] = {"attention_mask": mask, "use_cache": False}
+    if name in ("t5", "bart"):
+        kwargs["decoder_input_ids"] = torch.randint(2, VOCAB, (batch, LENGTH), generator=gen)
+    return (ids,), kwargs, target
 
 
 def example(name: str, batch: int = 6, step: int = 0
             ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
     """``(args, kwargs, target)`` of one batch for ``name``."""
     gen = torch.Generator().manual_seed(100 + step)
+    if name in ZOO or name == "mixtral":
+        return _zoo_example(name, batch, gen)
     if name == "mlp":
         x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
         mask = (torch.rand(batch, generator=gen) > 0.2).double()
@@ -146,13 +238,20 @@ def loss_of(name: str) -> Any:
         return F.mse_loss
     if name == "resnet":
         return F.cross_entropy
-    return lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    if name in ("t5", "bart"):  # (logits, encoder_last_hidden_state)
+        return lambda out, y: _token_loss(out[0], y)
+    return _token_loss
+
+
+def _token_loss(logits: Tensor, target: Tensor) -> Tensor:
+    """Cross entropy per token ((batch, length, vocab) logits) or per sample."""
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 def model_loss(name: str, output: Any, target: Tensor) -> Tensor:
     """The same loss on the model's own output."""
     if name == "mlp":
         return F.cross_entropy(output["logits"], target)
-    if name == "gpt2":
-        return loss_of(name)(output.logits, target)
+    if name in ("gpt2", "mixtral") or name in ZOO:
+        return _token_loss(output.logits, target)
     return loss_of(name)(output, target)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from graph_check import train_both
+from graph_check import close, train_both
 from graph_models import build, example, loss_of
 from torch import Tensor, nn
 from torch.export import Dim
@@ -21,12 +21,6 @@ from seqpipe.graph import ConversionError, default_units, to_sequential
 
 TOL = dict(atol=1e-10, rtol=1e-8)
 FLOAT_TOL = dict(atol=2e-5, rtol=1e-4)  # GPT-2 runs in float32
-
-
-def close(tol: dict) -> Any:
-    def expect(actual: Tensor, wanted: Tensor, what: str) -> None:
-        torch.testing.assert_close(actual, wanted, **tol, msg=what)
-    return expect
 
 
 @pytest.mark.parametrize("name", ["mlp", "unet", "resnet", "gpt2"])
@@ -131,13 +125,22 @@ class Twice(nn.Module):
         return self.b(self.a(self.a(x)))
 
 
-class GlueDropout(nn.Module):
+class GlueBatchNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.b(F.dropout(self.a(x), 0.5, self.training))
+        return self.b(F.batch_norm(self.a(x), None, None, training=True))
+
+
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.inner = nn.Linear(4, 4), Branchy()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(self.pre(x))
 
 
 class ToNumpy(Branchy):
@@ -150,20 +153,28 @@ def test_errors_name_the_module_and_the_mend() -> None:
     x = torch.randn(3, 4)
     with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
                                               r".*test_graph.py:\d+ \(if h.sum\(\) > 0:.*\): "
-                                              r"data-dependent control flow.*make that module a "
-                                              r"unit"):
+                                              r"data-dependent control flow.*no choice of "
+                                              r"units= avoids it: make that code traceable"):
         to_sequential(Branchy(), (x,))
+    with pytest.raises(ConversionError, match=r"cannot trace module 'inner' at .*: data-"
+                                              r"dependent control flow.*Mend: the code runs "
+                                              r"inside unit 'inner': units run eagerly "
+                                              r"afterwards, but the whole forward, units "
+                                              r"included, is traced once"):
+        to_sequential(Wrapped(), (x,))  # a unit is traced too: no units= mends it
     with pytest.raises(ConversionError, match=r"cannot trace the model's own forward at "
                                               r".*test_graph.py:\d+ \(return self.b\(h \* "
                                               r"len\(h.detach\(\).numpy\(\)\)\).*an operation "
-                                              r"that cannot be traced.*make that module a unit"):
+                                              r"that cannot be traced.*or write the "
+                                              r"nn.Sequential by hand"):
         to_sequential(ToNumpy(), (x,))
     with pytest.raises(ConversionError, match=r"unit 'a' \(Linear\) is called 2 times in one "
                                               r"forward.*units=\[\.\.\.\] naming the parent"):
         to_sequential(Twice(), (x,))
     with pytest.raises(ConversionError, match=r"the model's own forward calls "
-                                              r"aten.dropout.default in the traced glue"):
-        to_sequential(GlueDropout(), (x,))
+                                              r"aten.batch_norm.default in the traced glue.*"
+                                              r"make the module that calls it a unit"):
+        to_sequential(GlueBatchNorm(), (x,))
     with pytest.raises(ConversionError, match=r"module 'a' \(Linear\) holds parameters, buffers "
                                               r"or train/eval behaviour but is not inside a "
                                               r"unit.*add it to units="):
@@ -185,3 +196,146 @@ def test_a_fixed_input_changed_is_refused() -> None:
     with pytest.raises(ValueError, match=r"traced as the constant 2.0 and is now 3.0"):
         seq(*args, **{**kwargs, "scale": 3.0})
 
+
+class GlueDropout(nn.Module):
+    """Dropout in the glue: functional (BART's encoder) and one module called twice (T5's
+    stacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.dropout(self.drop(self.a(x)), 0.3, self.training)
+        return self.b(self.drop(h))
+
+
+def test_dropout_in_the_glue_follows_train_and_eval_mode() -> None:
+    # converted in eval mode (as from_pretrained leaves a model), then trained: the glue's
+    # dropout must be on, drawing as the model does; and off again in eval mode
+    model, plain = GlueDropout().double(), GlueDropout().double()
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(6, 4, dtype=torch.double)
+    seq = to_sequential(model.eval(), (x,))
+    assert [layer.unit for layer in seq] == ["a", "b"]  # the twice-called dropout is glue
+    for mode in ("train", "eval", "train"):
+        getattr(model, mode)(), getattr(plain, mode)()
+        torch.manual_seed(3)
+        got = seq(x)
+        torch.manual_seed(3)
+        torch.testing.assert_close(got, plain(x), **TOL, msg=mode)
+    dropped = seq(x)  # the model is in train mode: the glue drops
+    model.eval()
+    assert not torch.equal(dropped, seq(x))
+    seq.train()  # the converted model's own train()/eval() reaches the glue too
+    torch.manual_seed(3)
+    got = seq(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(got, plain.train()(x), **TOL)
+
+
+class LastNorm(nn.Module):
+    """Blocks whose output is their last submodule's (a LayerNorm, as in BART's and BERT's
+    layers); a unit that reads only the shape of its input (BART's positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.pos = Positions()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        h = h + self.pos(h[:, :, -1])  # only the shape of h[:, :, -1] is read
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class Positions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, like: Tensor) -> Tensor:
+        return self.table[: like.shape[1]]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.norm(h + torch.relu(self.lin(h)))
+
+
+def test_units_ending_in_a_submodule_and_units_reading_only_a_shape() -> None:
+    torch.manual_seed(0)
+    model = LastNorm().double()
+    x = torch.randn(6, 5, 4, dtype=torch.double)
+    seq = to_sequential(model, (x,))
+    assert [layer.unit for layer in seq] == ["embed", "pos", "blocks.0", "blocks.1", "head"]
+    torch.testing.assert_close(seq(x), model(x), **TOL)
+    pipe = Pipe(seq, chunks=3, balance=[2, 3], devices=["cpu", "cpu"])
+    torch.testing.assert_close(pipe(seq.origin.pipeline_input(x)), model(x), **TOL)
+
+
+class Spread(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h: Tensor) -> Tensor:
+        slots = torch.arange(h.shape[0] * 4, device=h.device) % 4  # a size from the batch
+        return self.lin(h) + slots.view(-1, 4).to(h.dtype)
+
+
+class Spreads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Spread() for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_size_the_trace_shares_between_units() -> None:
+    # export computes 4 * batch once, in blocks.0, and hands it to blocks.1 and blocks.2
+    # (as Mixtral's experts do): each unit computes its own
+    torch.manual_seed(0)
+    model = Spreads().double()
+    x = torch.randn(6, 4, dtype=torch.double)
+    seq = to_sequential(model, (x,))
+    pipe = Pipe(seq, chunks=3, balance=[1, 2], devices=["cpu", "cpu"])
+    for batch in (x, x[:5]):  # micro-batches of 2 and of 2, 2, 1
+        torch.testing.assert_close(pipe(seq.origin.pipeline_input(batch)), model(batch), **TOL)
+
+
+class EndBias(nn.Module):
+    """A buffer the glue reads at the very end, moved to the output's device (BART's
+    ``final_logits_bias``): export checks its dtype and device first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("bias", torch.arange(4.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.c(self.b(self.a(x)))
+        return h + self.bias.to(h.device)
+
+
+def test_a_buffer_read_at_the_end_sits_in_the_last_layer_alone() -> None:
+    # not also in the first (a buffer shared across stages is refused by DistributedPipe,
+    # and sits on two devices in Pipe)
+    model = EndBias().double()
+    x = torch.randn(6, 4, dtype=torch.double)
+    seq = to_sequential(model, (x,))
+    assert [[name for name, _ in layer.named_buffers()] for layer in seq] == [[], [], ["bias"]]
+    pipe = Pipe(seq, chunks=2, balance=[1, 2], devices=["cpu", "cpu"])
+    torch.testing.assert_close(pipe(seq.origin.pipeline_input(x)), model(x), **TOL)

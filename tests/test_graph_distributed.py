@@ -2,11 +2,12 @@
 ``graph_models`` under 1f1b, zb_h1 and interleaved_1f1b, and the MLP under ``"auto"``
 (three SGD steps, batch size changing, loss, every gradient and weight against the plain
 model; the ResNet with deferred BatchNorm under recomputation), a meta-built ResNet
-materialised from per-layer seeds, then a DCP checkpoint
-of the converted GPT-2 saved under one balance, loaded under another and into the plain
-model by its own keys; on 3 ranks the U-Net under zb_h1 (a skip over the middle stage),
-the MLP under interleaved_1f1b, the ResNet under 1f1b and GPT-2 (its tie spans the first
-and last stage)."""
+materialised from per-layer seeds, Hugging Face Llama (its head tied to the embedding
+across the ranks) under 1f1b, then a DCP checkpoint of the converted GPT-2 saved under one
+balance, loaded under another and into the plain model by its own keys; on 3 ranks the
+U-Net under zb_h1 (a skip over the middle stage), the MLP under interleaved_1f1b, the
+ResNet, BART (the encoder's output skips to the decoder layers on two ranks) and GPT-2
+(its tie spans the first and last stage) under 1f1b."""
 from __future__ import annotations
 
 import copy
@@ -102,6 +103,11 @@ def _two(rank: int, world: int, folder: str) -> None:
         if name == "resnet":
             _seeded(seq, failures)
         failures.finish()
+    # Llama: rotary embeddings, GQA, RMSNorm, the head tied to the embedding across ranks
+    failures = Failures(rank, DOUBLE)
+    _train(world, "llama", to_sequential(build("llama"), *example("llama")[:2]), "1f1b",
+           failures)
+    failures.finish()
     failures = Failures(rank, DOUBLE)
     _checkpoint(rank, seq, folder, failures)
     dist.barrier()
@@ -117,6 +123,9 @@ def _three(rank: int, world: int) -> None:
     _train(world, "mlp", to_sequential(build("mlp"), *example("mlp")[:2]),
            "interleaved_1f1b", failures)
     _train(world, "resnet", to_sequential(build("resnet"), *example("resnet")[:2]), "1f1b",
+           failures)
+    # BART: the encoder's output and the masks skip to every decoder layer, across ranks
+    _train(world, "bart", to_sequential(build("bart"), *example("bart")[:2]), "1f1b",
            failures)
     failures.finish()
     failures = Failures(rank, TOL["gpt2"])

@@ -1,16 +1,18 @@
 """Converted models (``seqpipe.to_sequential``) with the rest of seqpipe, in one process:
 deferred BatchNorm under recomputation, ``checkpoint_every``, the balance helpers choosing
-boundaries over units, and a model built on ``meta``. (``schedule="auto"`` and per-layer
-seeds of a meta-built model run on 2 ranks: ``test_graph_distributed.py``.)"""
+boundaries over units, and a model built on ``meta`` (GPT-2; Llama, whose rotary buffers no
+checkpoint holds). (``schedule="auto"`` and per-layer seeds of a meta-built model run on 2
+ranks: ``test_graph_distributed.py``.)"""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List
 
 import pytest
 import torch
 import torch.nn.functional as F
 from graph_check import train_both
-from graph_models import build, example, gpt2, loss_of
+from graph_models import build, example, gpt2, loss_of, zoo_model
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -139,3 +141,29 @@ def test_a_model_built_on_meta_converts_and_loads_a_checkpoint() -> None:
     model.eval(), real.eval()
     torch.testing.assert_close(seq(*args, **kwargs).logits, real(*args, **kwargs).logits)
 
+
+def test_a_meta_built_model_whose_buffers_no_checkpoint_holds() -> None:
+    # Llama's rotary inv_freq is computed in __init__ and kept out of state_dict(): built on
+    # meta, no checkpoint restores it (the model would compute garbage): named, with the
+    # mend, which converts and then loads exactly
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    real = build("llama")
+    with torch.device("meta"):
+        model = zoo_model("llama").double()
+    args, kwargs, _ = example("llama")
+    with pytest.warns(UserWarning, match=r"non-persistent buffers \['model.rotary_emb.inv_freq'"
+                                         r", 'model.rotary_emb.original_inv_freq'\].*Build the "
+                                         r"modules that own them \(model.rotary_emb\) on a real "
+                                         r"device before converting"):
+        to_sequential(model, args, kwargs)
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # the mend: real, on the CPU
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*non-persistent buffers")
+        seq = to_sequential(model, args, kwargs)
+    for layer in seq:  # each stage materialises what is on meta, and moves the rest
+        if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+            layer.to_empty(device="cpu")
+    model.load_state_dict(real.state_dict())
+    model.eval(), real.eval()
+    torch.testing.assert_close(seq(*args, **kwargs).logits, real(*args, **kwargs).logits,
+                               **TOL)

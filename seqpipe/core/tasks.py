@@ -57,10 +57,12 @@ def _both(first: ContextManager[None], second: ContextManager[None]) -> Iterator
 def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
                     weight: float) -> Tensor:
     """Micro-batch ``i``'s loss, times its ``weight``; checks what ``loss_fn`` returns."""
-    if isinstance(target, Tensor) and target.dim() > 0 and \
-            target.shape[0] != outputs.tensors[0].shape[0]:
+    # the first output with a batch dimension (a model's own loss, a scalar, may come first)
+    batched = next((t for t in outputs.tensors if t.dim() > 0), None)
+    if isinstance(target, Tensor) and target.dim() > 0 and batched is not None and \
+            target.shape[0] != batched.shape[0]:
         raise ValueError(
-            f"micro-batch {i}: the output has {outputs.tensors[0].shape[0]} samples but "
+            f"micro-batch {i}: the output has {batched.shape[0]} samples but "
             f"its slice of the target has {target.shape[0]}; input and target need the "
             f"same batch size")
     with torch.enable_grad():

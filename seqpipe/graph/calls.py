@@ -22,7 +22,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
@@ -35,11 +34,12 @@ __all__ = ["call_order", "dry_run", "module_stack", "is_stateful"]
 
 def is_stateful(module: nn.Module) -> bool:
     """Whether tracing ``module`` into glue would change what it does: it holds parameters
-    or buffers, or it behaves differently in train and eval mode (dropout)."""
+    or buffers, or it behaves differently in train and eval mode in a way the glue cannot
+    follow (batch norm). (Dropout in the glue follows the mode: ``seqpipe.graph.mode``; so
+    a dropout module called twice, like T5's, is glue.)"""
     if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
         return True
-    return any(isinstance(m, (_DropoutNd, nn.modules.batchnorm._BatchNorm))
-               for m in module.modules())
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
 @contextlib.contextmanager

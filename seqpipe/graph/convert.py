@@ -8,6 +8,7 @@ build one layer per unit (``unit``). See ``docs/models.md``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +20,7 @@ from seqpipe.distributed.ties import canonical_names
 from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
 from seqpipe.graph.errors import ConversionError
+from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS
 from seqpipe.graph.origin import Origin
 from seqpipe.graph.trace import trace
 from seqpipe.graph.unit import build_unit
@@ -92,6 +94,7 @@ def to_sequential(model: nn.Module, example_args: Any = (),
         # follow each layer's input device like any traced device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
                                             (args, kwargs))
+        _warn_unloadable(model)
     found = check_units(model, units)
     order = call_order(model, found, args, kwargs, explicit=units is not None)
     traced = trace(model, args, kwargs, found, order, dynamic_shapes)
@@ -109,6 +112,26 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     return seq
 
 
+def _warn_unloadable(model: nn.Module) -> None:
+    """Warn of buffers on ``meta`` that no checkpoint restores: non-persistent ones (a
+    rotary embedding's ``inv_freq``, computed in ``__init__``) are not in ``state_dict()``,
+    so after materialising they hold arbitrary values however the weights are loaded."""
+    persistent = set(model.state_dict().keys())
+    lost = [name for name, buffer in model.named_buffers()
+            if buffer.is_meta and name not in persistent]
+    if lost:
+        owners = sorted({name.rpartition(".")[0] or "the model" for name in lost})
+        warnings.warn(
+            f"{type(model).__name__} is built on meta with non-persistent buffers {lost}: no "
+            f"checkpoint holds them (they are not in state_dict()) and no reset_parameters() "
+            f"computes them, so once materialised they hold arbitrary values and the model "
+            f"computes garbage. Build the modules that own them ({', '.join(owners)}) on a "
+            f"real device before converting (e.g. model.model.rotary_emb = "
+            f"LlamaRotaryEmbedding(config) outside the meta context): a layer whose tensors "
+            f"are real is moved, never re-initialised; or set the buffers after "
+            f"materialising", stacklevel=3)
+
+
 def _check_batch(args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  dynamic_shapes: Optional[Any]) -> None:
     tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
@@ -123,11 +146,9 @@ def _check_batch(args: Tuple[Any, ...], kwargs: Dict[str, Any],
             f"least 2 (torch.export fixes sizes 0 and 1). Use a bigger example batch")
 
 
-_MODE_OPS = ("dropout", "batch_norm", "bernoulli")
-
-
 def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
-    """Refuse glue that would freeze train/eval behaviour or take a stateful module's
+    """Refuse glue that would freeze train/eval behaviour (dropout is not frozen: it
+    follows the layer's unit, see ``seqpipe.graph.mode``) or take a stateful module's
     work out of the user's object: name the module and the mend."""
     modules = dict(model.named_modules(remove_duplicate=False))
     ancestors = {".".join(u.split(".")[:i]) for u in units for i in range(len(u.split(".")))}
@@ -137,7 +158,8 @@ def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
         path = path if path in modules else ""  # export's own root entries
         owner = modules[path]
         op = str(node.target)
-        if node.op == "call_function" and any(word in op for word in _MODE_OPS):
+        if node.op == "call_function" and node.target not in FOLLOWS_MODE and \
+                any(word in op for word in REFUSED_MODE_OPS):
             raise ConversionError(
                 f"{_where(path)} calls {op} in the traced glue between units, whose "
                 f"train/eval behaviour the trace would fix; make the module that calls it a "

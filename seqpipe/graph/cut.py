@@ -5,7 +5,9 @@ Layer ``i`` of the converted ``nn.Sequential`` runs the glue its unit needs and 
 a value derived from the inputs (an attention mask) is computed where it is first used.
 Nodes that read nothing but attributes and constants (a weight read by the glue, an
 ``arange`` of fixed length) are copied into every layer that uses them instead: a weight
-then sits in two layers as a tie, which seqpipe handles.
+then sits in two layers as a tie, which seqpipe handles. A node nothing uses (export's
+check of a buffer's dtype and device before ``.to()``) goes where the value it checks is
+first used, never to an earlier layer.
 
 A tensor computed in layer ``p`` reaches each later layer that uses it straight from
 ``p``: the very next layer as an item of ``p``'s output tuple, any further one as a
@@ -77,7 +79,7 @@ def plan_layers(graph: fx.Graph, units: List[str]) -> Plan:
             where[node] = 0
         else:
             users = [last if u is output else where[u] for u in node.users if u not in free]
-            where[node] = min(users) if users else earliest[node]
+            where[node] = min(users) if users else _check_place(node, earliest, where, free)
     for node in nodes:  # a unit's output plumbing stays in the unit's layer
         if node.op == "call_function" and node.target in (fx_pytree.tree_flatten_spec,
                                                           operator.getitem):
@@ -100,6 +102,21 @@ def plan_layers(graph: fx.Graph, units: List[str]) -> Plan:
     results = list(output.args[0])
     _route(layers, [n for n in nodes if n in where], where, free, output, results)
     return Plan(layers, free, results)
+
+
+def _check_place(node: fx.Node, earliest: Dict[fx.Node, int], where: Dict[fx.Node, int],
+                 free: Set[fx.Node]) -> int:
+    """The layer of a node nothing uses (a check: ``_assert_tensor_metadata`` of a buffer
+    before ``.to(device)``): as soon as its computed inputs exist, and not before the first
+    layer that uses its attribute inputs otherwise, so a buffer the glue reads at the
+    end (BART's ``final_logits_bias``) is not pulled into the first layer too (a tie
+    across stages, on another device)."""
+    def uses(value: fx.Node) -> List[int]:  # through attribute reads and their copies
+        return [i for u in value.users if u is not node
+                for i in (uses(u) if u in free else [where[u]] if u in where else [])]
+
+    first = [i for f in node.all_input_nodes if f in free for i in uses(f)]
+    return max(earliest[node], min(first, default=0))
 
 
 def _repeatable(node: fx.Node) -> bool:

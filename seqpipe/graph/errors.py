@@ -2,8 +2,9 @@
 
 Every refusal names what is wrong (the module, the unit, the operation, the line of the
 user's code) and says what to do: make the offending module a unit (``units=[...]``),
-change the example inputs, or write the ``nn.Sequential`` by hand. A conversion never
-splits a model silently wrong.
+change the example inputs, or write the ``nn.Sequential`` by hand. Code that cannot be
+traced is the exception: the whole forward is traced, units included, so no choice of
+units avoids it. A conversion never splits a model silently wrong.
 """
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ from typing import Collection, List, Optional
 
 import torch
 
-__all__ = ["ConversionError", "MEND", "explain", "user_frame"]
+__all__ = ["ConversionError", "MEND", "TRACE_MEND", "explain", "user_frame"]
 
 MEND = ("make that module a unit (pass units=[...] naming it, or its parent), or write the "
         "nn.Sequential by hand (see docs/models.md)")
+
+
+TRACE_MEND = ("the whole forward, units included, is traced once (to record the units' "
+              "calls), so no choice of units= avoids it: make that code traceable by "
+              "torch.export(strict=False) on the example (a branch on tensor values as "
+              "torch.where or torch.cond; another dtype or keyword argument, such as "
+              "attn_implementation=, use_cache=False), or write the nn.Sequential by hand "
+              "(see docs/models.md)")
 
 
 class ConversionError(RuntimeError):
@@ -59,11 +68,6 @@ def explain(exc: Exception, stack: List[str], units: Collection[str]) -> Convers
         kind = "data-dependent control flow (a branch or size that depends on tensor values)"
     else:
         kind = f"an operation that cannot be traced ({type(exc).__name__}: {text})"
-    if in_unit is not None:
-        mend = (f"the code runs inside unit {in_unit!r}; units run eagerly but are traced "
-                f"once to record their calls, so split that unit's work so the untraceable "
-                f"part runs inside a unit of its own (units=[...]), or write the "
-                f"nn.Sequential by hand")
-    else:
-        mend = MEND
-    return ConversionError(f"cannot trace {where}{at}: {kind}. Mend: {mend}")
+    inside = (f"the code runs inside unit {in_unit!r}: units run eagerly afterwards, but "
+              if in_unit is not None else "")
+    return ConversionError(f"cannot trace {where}{at}: {kind}. Mend: {inside}{TRACE_MEND}")

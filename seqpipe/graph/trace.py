@@ -18,7 +18,7 @@ import inspect
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -74,7 +74,11 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
     gm = program.module()
     assert isinstance(gm, fx.GraphModule)
     gm.graph._codegen = fx.graph.CodeGen()  # flat leaves in, flat leaves out
-    gm.graph.eliminate_dead_code()
+    # a unit's input that only its shape is read of (BART's ``embed_positions(
+    # inputs_embeds[:, :, -1])``) has no user in the graph, yet the unit is called with it
+    needed = {arg.name for sig in signatures.values() for arg in sig.inputs
+              if not isinstance(arg, ConstantArgument)}
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.name in needed or n.is_impure())
     with warnings.catch_warnings():  # get_attr of a pytree spec: a plain attribute, on purpose
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
         renamed: Dict[str, fx.Node] = {}
@@ -103,8 +107,11 @@ def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
     for arg in signature.inputs:
         if isinstance(arg, ConstantArgument):
             leaves.append(arg.value)
+        elif arg.name in by_name:
+            leaves.append(by_name[arg.name])
         else:
-            leaves.append(by_name.get(arg.name))
+            raise ConversionError(f"the trace lost input {arg.name} of unit {name!r}; "
+                                  + MEND)
     args_spec, kwargs_spec = signature.in_spec.children()
     spec_name = _add_attr(gm, f"_spec_in_{name}", signature.in_spec)
     unflat = graph.call_function(pytree.tree_unflatten, (leaves, graph.get_attr(spec_name)))
@@ -124,15 +131,54 @@ def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
     for node in nodes:
         if node.name in outputs:
             piece = graph.call_function(operator.getitem, (flat, outputs[node.name]))
-            node.replace_all_uses_with(piece, propagate_meta=True)
+            node.replace_all_uses_with(piece)
+            piece.meta = _call_site_meta(node, name)
             renamed[node.name] = piece
         elif any(user not in inside for user in node.users):
+            copy = _size_outside(graph, node, inside, name, {})
+            if copy is not None:  # a size export shares with a later unit: its own copy
+                node.replace_all_uses_with(copy, delete_user_cb=lambda u: u not in inside)
+                continue
             raise ConversionError(
                 f"the glue after unit {name!r} uses a value computed inside it that the unit "
                 f"does not return ({node.name}); a unit must hand on everything others use "
                 f"through its outputs. " + MEND)
     for node in reversed(nodes):
         graph.erase_node(node)
+
+
+_SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def _is_size(node: fx.Node) -> bool:
+    """A number computed from numbers (sizes): ``16 * s0``, ``x.size(0)``."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), _SIZES)
+
+
+def _size_outside(graph: fx.Graph, node: fx.Node, inside: Set[fx.Node], name: str,
+                  copies: Dict[fx.Node, fx.Node]) -> Optional[fx.Node]:
+    """A copy of ``node`` that does not lie in unit ``name``'s region, or None when it is
+    not a size computed from sizes. Export computes one symbolic expression once and hands
+    it to every later place that computes it too (Mixtral's experts: ``16 * batch`` in
+    each layer), so a unit's region may compute a size that a later unit reads; that unit
+    gets its own copy, computed from what the first one read."""
+    if node not in inside:
+        return node
+    if node in copies:
+        return copies[node]
+    if not _is_size(node):
+        return None
+    sources = {}
+    for source in node.all_input_nodes:
+        copied = _size_outside(graph, source, inside, name, copies)
+        if copied is None:
+            return None
+        sources[source] = copied
+    with graph.inserting_after(node):
+        copy = graph.node_copy(node, lambda n: sources[n])
+    copy.meta = _call_site_meta(node, name)
+    copies[node] = copy
+    return copy
 
 
 _GUARDS = "_guards_fn"  # export's check of the inputs against the trace's assumptions
@@ -163,9 +209,22 @@ def _drop_unused(graph: fx.Graph) -> None:
     """Erase attribute reads and pytree plumbing nothing uses (the swapped units' weights,
     unused output pieces); unlike ``eliminate_dead_code`` this never drops a unit call."""
     for node in reversed(list(graph.nodes)):
-        if not node.users and (node.op == "get_attr" or
+        if not node.users and (node.op == "get_attr" or _is_size(node) or
                                (node.op == "call_function" and node.target in _PURE)):
             graph.erase_node(node)
+
+
+def _call_site_meta(node: fx.Node, name: str) -> Dict[str, Any]:
+    """The meta of a unit's output piece: ``node``'s value, but the module stack of the
+    unit's call site. (``node`` was computed inside the unit, perhaps by a submodule such
+    as its last LayerNorm; the piece is read by the glue, which must not be taken for
+    work of that submodule.)"""
+    stack: Dict[str, Any] = {}
+    for key, (path, kind) in (node.meta.get("nn_module_stack") or {}).items():
+        if path == name:
+            break
+        stack[key] = (path, kind)
+    return {"val": node.meta.get("val"), "nn_module_stack": stack}
 
 
 def _innermost_unit(node: fx.Node, name: str) -> bool:

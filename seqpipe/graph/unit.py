@@ -10,7 +10,8 @@ next layer needs (one tensor alone, several as a tuple). The code is generated o
 
 A device written into the traced glue (``arange(..., device="cpu")``) is replaced by the
 device of the layer's first tensor input, so a layer placed on another device computes
-its constants there.
+its constants there. Dropout in the glue reads the training flag of the layer's unit when
+it runs (``seqpipe.graph.mode``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from seqpipe.graph.cut import Layer
+from seqpipe.graph.mode import FOLLOWS_MODE, MODE_ARG
 from seqpipe.skip import Namespace, pop, skippable, stash
 
 __all__ = ["Unit", "build_unit"]
@@ -89,6 +91,12 @@ def build_unit(index: int, layer: Layer, root: fx.GraphModule, free: Set[fx.Node
 
     def copy(node: fx.Node) -> fx.Node:
         new = graph.node_copy(node, lookup)
+        if new.op == "call_function" and new.target in FOLLOWS_MODE:  # the unit's mode
+            with graph.inserting_before(new):
+                flag = graph.get_attr(f"{layer.unit}.training")
+            args = list(new.args)
+            args[MODE_ARG] = flag
+            new.args = tuple(args)
         if first_tensor is not None:
             new.args = _devices(new.args, device, here)
             new.kwargs = _devices(new.kwargs, device, here)

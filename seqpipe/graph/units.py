@@ -45,9 +45,11 @@ def default_units(model: nn.Module) -> List[str]:
 
 def _holds_container(module: nn.Module) -> bool:
     """A wrapper like GPT-2's ``transformer``: it loops over a ``ModuleList`` (or
-    ``ModuleDict``) child. (A block holding a small ``nn.Sequential``, like a ResNet
-    block's downsampling, stays one unit.)"""
+    ``ModuleDict``) child, or holds a wrapper that does (BERT's ``bert`` holds ``encoder``,
+    which holds the ``ModuleList`` of layers; OPT's ``model`` holds ``decoder``). (A block
+    holding a small ``nn.Sequential``, like a ResNet block's downsampling, stays one unit.)"""
     return any(isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0
+               or not isinstance(child, CONTAINERS) and _holds_container(child)
                for child in module.children())
 
 

@@ -1,0 +1,106 @@
+"""``seqpipe.to_sequential`` on the models people hold: Hugging Face architectures from
+tiny configs (``graph_models.ZOO``: Llama, Mistral, Qwen2, BERT, GPT-NeoX, OPT, T5, BART,
+ViT; Mixtral in bfloat16), each with its documented call, trained through ``Pipe`` against
+the plain model (loss, every gradient and weight); their default units; a model that
+computes its own loss from ``labels=``. docs/models.md, "Models tested", lists them."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from graph_check import close, train_both
+from graph_models import ZOO, build, example, loss_of
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from seqpipe import Pipe
+from seqpipe.graph import default_units, to_sequential
+
+TOL = dict(atol=1e-10, rtol=1e-8)
+
+
+# units of each ZOO model by default (docs/models.md, "Models tested")
+ZOO_UNITS = {"llama": 6, "mistral": 6, "qwen2": 6, "bert": 6, "neox": 7, "opt": 6, "t5": 15,
+             "bart": 11, "vit": 5}
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_the_models_people_hold_train_like_the_plain_ones(name: str) -> None:
+    # Hugging Face architectures from tiny configs, with their documented call: two
+    # partitions, 1F1B, three SGD steps; loss, every gradient and weight as the plain model
+    model, plain = build(name), build(name)
+    args, kwargs, _ = example(name)
+    seq = to_sequential(model, args, kwargs)
+    assert len(seq) == ZOO_UNITS[name], [layer.unit for layer in seq]
+    assert {id(p) for p in seq.parameters()} == {id(p) for p in model.parameters()}
+    if name == "llama":  # tie_word_embeddings: one Parameter in the first and last layer
+        tied = model.get_input_embeddings().weight
+        assert tied is model.lm_head.weight
+        assert any(p is tied for p in seq[0].parameters())
+        assert any(p is tied for p in seq[-1].parameters())
+    model.eval(), plain.eval()
+    got, want = seq(*args, **kwargs), plain(*args, **kwargs)
+    assert type(got) is type(want)
+    for a, b in zip(tree_leaves(got), tree_leaves(want)):
+        torch.testing.assert_close(a, b, **TOL, msg=f"{name}: plain call")
+    model.train(), plain.train()
+    n = len(seq)
+    pipe = Pipe(seq, chunks=2, balance=[n // 2, n - n // 2], devices=["cpu", "cpu"])
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                               loss_of(name), schedule="1f1b")
+
+    train_both(name, step, dict(model.named_parameters(remove_duplicate=False)), plain, 2,
+               close(TOL))
+
+
+def test_default_units_descend_through_wrappers() -> None:
+    # BERT: bert > encoder > layer (the trunk two wrappers down); OPT: its forward calls
+    # model.decoder directly, never model, which was the one default unit above it
+    assert default_units(build("bert")) == [
+        "bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "bert.pooler",
+        "dropout", "classifier"]
+    assert default_units(build("opt")) == [
+        "model.decoder.embed_tokens", "model.decoder.embed_positions",
+        "model.decoder.final_layer_norm", "model.decoder.layers.0", "model.decoder.layers.1",
+        "lm_head"]
+
+
+def test_a_model_that_computes_its_own_loss_from_labels() -> None:
+    # labels= is an input like any other; the model's loss (a scalar, first in the flat
+    # output) is computed in the last layer's glue, and loss_fn just takes it
+    model, plain = build("llama"), build("llama")
+    args, kwargs, labels = example("llama")
+    kwargs = {**kwargs, "labels": labels}
+    seq = to_sequential(model, args, kwargs)
+    pipe = Pipe(seq, chunks=2, balance=[3, 3], devices=["cpu", "cpu"])
+    loss = pipe.train_step(seq.origin.pipeline_input(*args, **kwargs), labels,
+                           lambda out, _: out[0])
+    want = sum(plain(ids, **{**kwargs, "attention_mask": mask, "labels": y}).loss * len(y) / 6
+               for ids, mask, y in zip(args[0].chunk(2), kwargs["attention_mask"].chunk(2),
+                                       labels.chunk(2)))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), **TOL)
+    theirs = dict(plain.named_parameters())
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, theirs[key].grad, **TOL, msg=key)
+
+
+def test_a_mixture_of_experts_in_bfloat16() -> None:
+    # Mixtral: routing by top-k, grouped matmuls over the experts, and a size export shares
+    # between the layers; in bfloat16 (torch's grouped_mm traces only that), one step,
+    # within bfloat16's rounding
+    model, plain = build("mixtral"), build("mixtral")
+    seq = to_sequential(model, *example("mixtral")[:2])
+    assert [layer.unit for layer in seq][2:4] == ["model.layers.0", "model.layers.1"]
+    pipe = Pipe(seq, chunks=2, balance=[3, 3], devices=["cpu", "cpu"])
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                               loss_of("mixtral"), schedule="1f1b")
+
+    bf16 = dict(atol=2e-3, rtol=1.6e-2)
+    train_both("mixtral", step, dict(model.named_parameters()), plain, 2, close(bf16),
+               batches=(6,))
