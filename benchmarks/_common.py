@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["make_model", "train_step", "Samples", "interleave", "paired_ratio", "paired_ratios",
-           "machine", "load_average", "clone", "pin_malloc"]
+           "machine", "load_average", "clone", "pin_malloc", "print_ratios"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -225,3 +225,16 @@ def machine(threads: Sequence[int] = ()) -> str:
     return (f"torch {torch.__version__}, python {platform.python_version()}, "
             f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}){extra}, "
             f"load average {load_average()}")
+
+
+def print_ratios(samples: Mapping[str, Samples], pairs: Sequence[Sequence[str]]) -> None:
+    """Each variant's median wall and process-CPU milliseconds per step, then each pair's
+    paired ratios (``a / b``, wall and CPU)."""
+    width = max(len(name) for name in samples)
+    for name, s in samples.items():
+        print(f"{name:<{width}}  median {s.median * 1e3:8.2f} ms  "
+              f"cpu {statistics.median(s.cpu) * 1e3:8.2f} ms")
+    for a, b in pairs:
+        wall, cpu = paired_ratio(samples[a], samples[b]), paired_ratio(samples[a], samples[b],
+                                                                       cpu=True)
+        print(f"{a:>{width}} / {b:<{width}} wall {wall:.3f}  cpu {cpu:.3f}")

@@ -8,7 +8,6 @@ and its throughput is shown beside the same model's, unpipelined.
 from __future__ import annotations
 
 import argparse
-import copy
 import pathlib
 import time
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
+from seqpipe.demo_baseline import make_data, print_baselines, unpipelined_rate
 from seqpipe.pipe import Pipe
 from seqpipe.schedule import SCHEDULES, get_schedule, placement_of, simulate
 from seqpipe.trace import Recorder, record
@@ -40,20 +40,6 @@ def build_model(num_classes: int = 10, width: int = 16) -> nn.Sequential:
         nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         nn.Linear(4 * w, num_classes),
     )
-
-
-def make_data(steps: int, batch: int, num_classes: int = 10, noise: float = 1.0,
-              seed: int = 0) -> Iterator[Tuple[Tensor, Tensor]]:
-    """``steps`` mini-batches of noisy class prototypes: learnable, and needs no download.
-
-    Each mini-batch is made when it is asked for, so a long run holds one at a time.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    prototypes = torch.randn(num_classes, 3, 32, 32, generator=gen)
-    for _ in range(steps):
-        labels = torch.randint(num_classes, (batch,), generator=gen)
-        images = prototypes[labels] + noise * torch.randn(batch, 3, 32, 32, generator=gen)
-        yield images, labels
 
 
 def sample_batch(batch: int, seed: int = 0) -> Tensor:
@@ -190,26 +176,6 @@ def _describe_stages(model: nn.Sequential, balance: Sequence[int],
 StepFn = Callable[[Tensor, Tensor], float]
 
 
-def unpipelined_rate(model: nn.Sequential, device: torch.device, args: argparse.Namespace,
-                     steps: int = 3) -> float:
-    """Samples/s of a copy of ``model``, unpipelined on ``device``, over ``steps`` steps
-    (after one warm-up) of the demo's data: what pipelining is compared with."""
-    plain = copy.deepcopy(model).to(device)
-    optimizer = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    start, seen = 0.0, 0
-    for step, (images, labels) in enumerate(make_data(steps + 1, args.batch, seed=1)):
-        if step == 1:
-            start = time.perf_counter()
-        optimizer.zero_grad()
-        loss_fn(plain(images.to(device)), labels.to(device)).backward()
-        optimizer.step()
-        seen += len(images) if step else 0
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return seen / (time.perf_counter() - start)
-
-
 def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
            talk: bool, baseline: float = float("nan")) -> Tuple[float, Recorder]:
     """Run ``step_fn(images, labels) -> loss`` over ``data``; print the loss and the rate
@@ -267,13 +233,17 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     torch.manual_seed(args.seed)
     partitions, devices = local_devices(args)
     model = build_model()
-    baseline = unpipelined_rate(model, torch.device(devices[0]), args)
+    device = torch.device(devices[0])
+    baseline = unpipelined_rate(model, device, args)
+    same_work = unpipelined_rate(model, device, args, chunks=args.chunks,
+                                 checkpoint=args.checkpoint)
     pipe = local_pipe(model, sample_batch(args.batch, args.seed), partitions, devices, args,
                       deferred_batch_norm=True)
     print(f"seqpipe demo: {len(model)} layers split as balance={pipe.balance} "
           f"(by {args.balance_by}) over {[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(model, pipe.balance, pipe.devices, "partition")
+    print_baselines(baseline, same_work, device, pipe.devices, args)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     return train_locally(pipe, optimizer, nn.CrossEntropyLoss(),
                          make_data(args.steps, args.batch, seed=args.seed), args,

@@ -219,3 +219,91 @@ def test_statistics_pending_elsewhere_neither_block_nor_get_this_pipes_commit() 
     assert_close(elsewhere[0].running_mean, before)
     elsewhere[0].commit()
     assert not batchnorm._pending and not torch.equal(elsewhere[0].running_mean, before)
+
+
+def deferred_over(bn: nn.Module, x: torch.Tensor, sizes) -> nn.Module:
+    """``bn`` made deferred, trained on ``x`` split into micro-batches of ``sizes``, committed."""
+    convert_deferred_batch_norm(bn)
+    for part in x.split(list(sizes)):
+        bn(part)
+    bn.commit()
+    return bn
+
+
+def test_two_sample_micro_batches_record_the_unbiased_variance_of_the_whole_batch():
+    """Against float64 ground truth, with micro-batches of 2 samples, where each one's
+    unbiased variance is twice its biased one: a biased/unbiased mix-up in the merge, or a
+    micro-batch counted twice (its variance then divides by 2N - 1, not N - 1: 5 % off
+    here), is far outside the tolerance. That tolerance is a few float32 roundings: the
+    kernel takes each micro-batch's statistics in float32, as a plain BatchNorm does for
+    the whole batch; the merge is in float64."""
+    torch.manual_seed(0)
+    x = torch.randn(10, 6) * 3 + 50  # far from the initial statistics
+    bn = deferred_over(nn.BatchNorm1d(6), x, [2] * 5)
+    truth = x.double()
+    expected_mean = 0.1 * truth.mean(0)
+    expected_var = 0.9 + 0.1 * truth.var(0, unbiased=True)
+    assert int(bn.num_batches_tracked) == 1
+    assert_close(bn.running_mean.double(), expected_mean, rtol=4e-7, atol=0)
+    assert_close(bn.running_var.double(), expected_var, rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("layer,shape", [
+    (nn.BatchNorm1d, (11, 4)), (nn.BatchNorm1d, (11, 4, 6)), (nn.BatchNorm2d, (11, 4, 3, 5)),
+    (nn.BatchNorm3d, (11, 4, 2, 3, 4))])
+def test_every_batchnorm_dimension_matches_plain_on_the_whole_batch(layer, shape):
+    torch.manual_seed(0)
+    x = torch.randn(*shape) * 2 + 3
+    plain = layer(4)
+    bn = deferred_over(copy.deepcopy(plain), x, [4, 4, 3])
+    plain(x)
+    assert_same_stats(bn, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs(dtype):
+    """Half inputs into float32 parameters (as under autocast): the kernel's statistics are
+    float32 either way, so the float32 tolerance holds. A BatchNorm whose running buffers
+    are themselves half keeps each micro-batch's statistics in half before the merge: two
+    roundings to the buffer's precision where a plain BatchNorm has one, so the tolerance
+    is two of its units in the last place."""
+    torch.manual_seed(0)
+    x = (torch.randn(12, 4, 3, 3) * 2 + 3).to(dtype)
+    plain = nn.BatchNorm2d(4)
+    bn = deferred_over(copy.deepcopy(plain), x, [4, 4, 4])
+    plain(x)
+    assert_same_stats(bn, plain)
+    plain = nn.BatchNorm2d(4).to(dtype)
+    bn = deferred_over(copy.deepcopy(plain), x, [4, 4, 4])
+    plain(x)
+    ulp = torch.finfo(dtype).eps
+    for name in ("running_mean", "running_var"):
+        assert getattr(bn, name).dtype == dtype
+        assert_close(getattr(bn, name), getattr(plain, name), rtol=2 * ulp, atol=0)
+
+
+def test_an_unpickled_deferred_batchnorm_starts_empty_and_trains() -> None:
+    """``torch.save`` of a whole model pickles the layer with whatever it had accumulated,
+    and pickles of earlier versions hold ``_count``/``_sum``/``_m2`` instead of ``_stats``:
+    a loaded layer starts with empty accumulators, then matches a plain BatchNorm. (A
+    converted layer's class is made at run time and does not pickle; torchgpipe's
+    ``DeferredBatchNorm`` is a class of its own, built directly.)"""
+    import io
+
+    from seqpipe.compat.torchgpipe.batchnorm import DeferredBatchNorm
+
+    torch.manual_seed(0)
+    saved = nn.Sequential(DeferredBatchNorm(3, chunks=2))
+    saved(torch.randn(6, 3))  # pending, not committed: not carried over
+    saved[0].__dict__.update(_count=6, _sum=torch.zeros(3), _m2=torch.zeros(3))  # as before
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)[0]
+    assert not hasattr(loaded, "_count") and loaded._stats == []
+    plain = nn.BatchNorm1d(3)
+    plain.load_state_dict(loaded.state_dict())
+    x = torch.randn(8, 3) * 2 + 1
+    for part in x.chunk(2):
+        loaded(part)  # commits after its second forward (chunks=2)
+    plain(x)
+    assert_same_stats(loaded, plain)

@@ -62,7 +62,31 @@ def test_local_run_trains_and_shows_the_clock(capsys: pytest.CaptureFixture) -> 
     assert "thread 0: F0 F1 " in out and "thread 1: .  F0 B0 " in out  # no ranks here
     assert "samples/s (running average; unpipelined " in out
     assert "samples/s pipelined against " in out and " unpipelined; final loss " in out
+    assert ("in the pipeline's 4 micro-batches with checkpoint='except_last', still "
+            "unpipelined: ") in out
     assert out.strip().splitlines()[-1].startswith("trace: 1 step, ")  # the last step's
+
+
+def test_on_cpu_the_demo_says_why_the_pipeline_is_slower(capsys: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Two ``cpu`` partitions share the cores the unpipelined model's intra-op threads
+    already use: the demo says so beside its numbers, and not when there is one thread."""
+    import torch
+
+    from seqpipe.demo_baseline import print_baselines
+
+    args = parse_args(["--chunks", "2", "--checkpoint", "never"])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    print_baselines(1600.0, 1200.0, torch.device("cpu"), ["cpu", "cpu"], args)
+    out = capsys.readouterr().out
+    assert out.startswith("unpipelined on cpu: 1600.0 samples/s; in the pipeline's 2 "
+                          "micro-batches with checkpoint='never', still unpipelined: "
+                          "1200.0 samples/s\n")
+    assert "with 2 intra-op threads" in out and "has no idle device to fill" in out
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    print_baselines(1600.0, 1200.0, torch.device("cpu"), ["cpu", "cpu"], args)
+    assert "intra-op" not in capsys.readouterr().out
 
 
 def test_local_run_of_a_schedule_with_two_stages_per_thread(

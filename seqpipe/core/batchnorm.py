@@ -10,7 +10,7 @@ BatchNorm would reach on the whole mini-batch, with the unbiased variance PyTorc
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Tuple, Type, TypeVar, cast
+from typing import Any, Dict, List, Tuple, Type, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +27,27 @@ _pending: "weakref.WeakSet[DeferredBatchNorm]" = weakref.WeakSet()
 
 
 class DeferredBatchNorm(_BatchNorm):
-    """Mixed into a BatchNorm class by ``convert_deferred_batch_norm``; see the module doc."""
+    """Mixed into a BatchNorm class by ``convert_deferred_batch_norm``; see the module doc.
 
-    _count: int
-    _sum: Tensor
-    _m2: Tensor
+    Each training micro-batch is normalised by the BatchNorm kernel with a scratch pair of
+    per-channel "running" buffers and ``momentum=1.0``, so that the kernel, in its one pass
+    over the activation, also writes that micro-batch's mean and unbiased variance into
+    them (at the precision a plain BatchNorm's own statistics have). ``commit`` merges the
+    micro-batches' small vectors exactly, in float64.
+    """
+
+    _stats: List[Tuple[int, Tensor]]  # per micro-batch: (count, [mean, unbiased var])
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Unpickled (``torch.load`` of a whole model): the accumulators start empty,
+        whatever a pickle of this or an older version held (``_count``/``_sum``/``_m2``)."""
+        super().__setstate__(state)
+        for stale in ("_count", "_sum", "_m2"):
+            self.__dict__.pop(stale, None)
+        self._reset_accumulators()
 
     def _reset_accumulators(self) -> None:
-        self._count = 0
+        self._stats = []
         _pending.discard(self)
 
     def forward(self, input: Tensor) -> Tensor:
@@ -42,39 +55,42 @@ class DeferredBatchNorm(_BatchNorm):
         if not (self.training and self.track_running_stats):
             return super().forward(input)
         self._check_input_dim(input)
+        running = cast(Tensor, self.running_mean)
+        # zeros, not empty: the kernel computes 1.0 * stat + 0.0 * old, and 0 * NaN is NaN.
+        # A recomputation passes them too (its graph must save what the first forward's
+        # saved) but keeps nothing: the first forward counted this micro-batch.
+        stats = torch.zeros(2, running.shape[0], dtype=running.dtype, device=running.device)
+        output = F.batch_norm(input, stats[0], stats[1], self.weight, self.bias, True, 1.0,
+                              self.eps)
         if not is_recomputing():
-            self._accumulate(input)
-        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-
-    @torch.no_grad()
-    def _accumulate(self, input: Tensor) -> None:
-        _pending.add(self)
-        dims = [d for d in range(input.dim()) if d != 1]
-        x = input.detach().to(torch.float64)
-        count = x.numel() // x.shape[1]
-        mean = x.mean(dims)
-        m2 = (x - mean.view(1, -1, *([1] * (x.dim() - 2)))).square().sum(dims)
-        if self._count:  # Chan et al.: merge two groups' means and squared deviations
-            total = self._count + count
-            delta = mean - self._sum / self._count
-            self._m2 += m2 + delta.square() * self._count * count / total
-            self._sum += mean * count
-        else:
-            self._m2, self._sum = m2, mean * count
-        self._count += count
+            self._stats.append((input.numel() // input.shape[1], stats))
+            _pending.add(self)
+        return output
 
     @torch.no_grad()
     def commit(self) -> None:
-        """Fold the accumulated mini-batch statistics into the running ones."""
-        if self._count == 0:
+        """Fold the accumulated mini-batch statistics into the running ones.
+
+        Micro-batch ``i`` has ``n_i`` values per channel, mean ``m_i`` and unbiased
+        variance ``v_i``; the mini-batch's mean is ``sum(n_i m_i) / N`` and its sum of
+        squared deviations ``sum((n_i - 1) v_i) + sum(n_i (m_i - mean)^2)`` (Chan et al.),
+        which ``N - 1`` divides into the unbiased variance a plain BatchNorm would record.
+        """
+        if not self._stats:
             return
-        mean = self._sum / self._count
-        var = self._m2 / max(self._count - 1, 1)
+        running_mean, running_var = cast(Tensor, self.running_mean), cast(Tensor, self.running_var)
+        stats = torch.stack([s for _, s in self._stats]).to(torch.float64)  # M x 2 x C
+        counts = torch.tensor([n for n, _ in self._stats], dtype=torch.float64,
+                              device=stats.device).unsqueeze(1)  # M x 1
+        total = sum(n for n, _ in self._stats)
+        means, variances = stats[:, 0], stats[:, 1]
+        mean = (counts * means).sum(0) / total
+        m2 = ((counts - 1) * variances + counts * (means - mean).square()).sum(0)
+        var = m2 / max(total - 1, 1)
         tracked = cast(Tensor, self.num_batches_tracked)
         tracked.add_(1)
         factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
-        for running, value in ((self.running_mean, mean), (self.running_var, var)):
-            running = cast(Tensor, running)
+        for running, value in ((running_mean, mean), (running_var, var)):
             running.mul_(1 - factor).add_(value.to(running.dtype), alpha=factor)
         self._reset_accumulators()
 
