@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from distributed_harness import Failures, run_workers
 from seqpipe import Pipe, ReentrantCheckpointError
 from seqpipe.distributed import DistributedPipe, PeerError
+from test_outside_tensors import on_two_ranks
 
 DTYPE = torch.float64
 MODES = ("always", "except_last", "never")
@@ -278,6 +279,7 @@ def _distributed(rank: int, world: int) -> None:
             expected.backward()
             failures.close(loss, expected.detach(), f"dropout {schedule}/{mode}")
             failures.grads(pipe, plain, f"dropout {schedule}/{mode}")
+    on_two_ranks(rank, failures)  # a tensor outside the pipe (tests/test_outside_tensors.py)
     failures.finish()
     # Last: a failed step. Its own group, so that the abort leaves the default one usable.
     layers = [nn.Linear(6, 8), nn.Linear(8, 8), SelfCheckpointed(reentrant=True),

@@ -191,10 +191,23 @@ class GradSink:
     """Where the parameter gradients of one pipeline call add up (``open_sink`` picks one)."""
 
     params: List[nn.Parameter]  # the trainable parameters, each once, in model order
-    # Whether a stage backpropagates into this sink as the plain model does, with
-    # ``autograd.backward(roots, grads)`` and no ``inputs=``: only where the owner drives
-    # every backward itself and nothing needs them held back (``StepGrads`` says when).
+    # Whether every backward into this sink is one over the whole graph, as the plain
+    # model's ``loss.backward()``: each leaf it reaches gets its gradient, tensors outside
+    # the pipe included (``whole_backward``).
+    whole = False
+    # Whether a stage then backpropagates as the plain model does, with
+    # ``autograd.backward(roots, grads)`` and no ``inputs=``.
     plain = False
+
+    def whole_backward(self, recorded: bool = True) -> None:
+        """From now on the stages' backwards into this sink are over the whole graph: the
+        owner runs every one itself (a ``train_step``), or the caller's autograd call is
+        one (``hold``). They run as the plain model's, without ``inputs=`` (``plain``),
+        where autograd records plain ``nn.Parameter``s or their aliases (``recorded``: not
+        FSDP2's unsharded leaves; no subclass); else with ``inputs=`` that name the tensors
+        outside the pipe that the graph reaches too (``split_backward.with_outside``)."""
+        self.whole = True
+        self.plain = recorded and plain_parameters(self.params)
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
         """Run ``partition`` (number ``stage``) on ``args``."""
@@ -271,8 +284,11 @@ class AliasSink(GradSink):
         return [*self._leaves[stage], *self._own[stage]]
 
     def hold(self, whole: bool = False) -> None:
-        """Nothing to do: the sums never reach ``.grad``, and the backward must stop at
-        the aliases (``inputs=``) whatever the caller's call is."""
+        """The sums never reach ``.grad``: nothing to put aside. With ``whole``, the
+        stages' backwards are over the whole graph (``whole_backward``): a plain one
+        accumulates into the aliases as ``inputs=`` would, and into what else it reaches."""
+        if whole:
+            self.whole_backward()
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """Each parameter with its summed gradient, letting go of it here (so autograd can
@@ -331,7 +347,8 @@ class DirectSink(GradSink):
                 before.append((param, grad))
                 param.grad = None
         self._before = before
-        self.plain = whole and plain_parameters(self.params)
+        if whole:
+            self.whole_backward()
         self._in_place = self.plain and not before
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:

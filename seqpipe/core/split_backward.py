@@ -68,7 +68,7 @@ from torch.overrides import has_torch_function
 
 from seqpipe.core.saved import SavedTensors
 
-__all__ = ["SplitBackward", "autograd_inputs", "reachable"]
+__all__ = ["SplitBackward", "autograd_inputs", "reachable", "with_outside"]
 
 Node = Any  # torch.autograd.graph.Node
 Edges = Tuple[Tuple[Optional[Node], int], ...]  # a node's ``next_functions``
@@ -147,6 +147,19 @@ def _leaves(nodes: Sequence[Node]) -> List[Tensor]:
     """The leaf tensors behind the ``AccumulateGrad`` nodes among ``nodes``."""
     found = (getattr(node, "variable", None) for node in nodes)
     return [v for v in found if isinstance(v, Tensor)]
+
+
+def with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
+                 entry: Optional[Tensor] = None) -> List[Tensor]:
+    """``wrt``, and after it every other leaf the graph below ``roots`` reaches but
+    ``entry`` (the stage's input node's leaf): a tensor outside the pipe that a layer or
+    ``loss_fn`` holds. What a backward over the whole graph accumulates into, for a stage
+    backward that must name them in ``inputs=``; it walks the graph (``reachable``) each
+    call, where the plain backward needs no walk."""
+    known = {id(t) for t in wrt}
+    known.add(id(entry))
+    outside = [t for t in _leaves(reachable(roots)) if id(t) not in known]
+    return [*wrt, *outside] if outside else wrt
 
 
 def autograd_inputs(tensors: List[Tensor]) -> List[Any]:
@@ -288,7 +301,8 @@ class SplitBackward:
     def _input_only(self) -> None:
         _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
 
-    def weight(self, wrt: Sequence[Tensor], *, call: bool = True, plain: bool = False) -> None:
+    def weight(self, wrt: Sequence[Tensor], *, call: bool = True, plain: bool = False,
+               outside: bool = False) -> None:
         """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph.
 
         The boundary nodes run in a fixed order: the one whose parameters come last in
@@ -297,15 +311,25 @@ class SplitBackward:
         in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
         ``plain``: a stage without an input path backpropagates as the plain model does,
         into every leaf (``Stage.backward``'s plain form), without ``inputs=``.
+        ``outside``: the step's backward is over the whole graph (``GradSink.whole``): the
+        leaves behind the weight path that are not in ``wrt`` (tensors outside the pipe
+        that a layer or ``loss_fn`` holds) get their gradients too, after ``wrt``'s.
         """
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
-            if self.roots and wrt:
-                plain = plain and self.wrt_input is None
-                _backprop(self.roots, self.grads, () if plain else autograd_inputs(list(wrt)))
+            plain = plain and self.wrt_input is None
+            if self.roots and (wrt or plain):
+                targets = list(wrt)
+                if outside:
+                    targets = with_outside(targets, self.roots, self.wrt_input)
+                _backprop(self.roots, self.grads, () if plain else autograd_inputs(targets))
             return
         order = {id(t): n for n, t in enumerate(wrt)}
         boundary, self.boundary = self.boundary, []
         off_path, self.off_path = self.off_path, []
+        if outside:  # the leaves behind the weight path, each listed there already
+            for behind in [b for *_, b in off_path] + [b for x in boundary for *_, b in x.off]:
+                for leaf in behind:
+                    order.setdefault(id(leaf), len(order))
         # In a fixed order, the same on every replica (not the nodes' addresses): the
         # parameters registered last first, the order a plain backward produces them in
         # (and a reducer's buckets follow), so that post-accumulate hooks that issue

@@ -40,7 +40,7 @@ from seqpipe.core.rng import backward_stream, captures
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.segments import run_segments, segments_of, skips_between
 from seqpipe.core.sink import GradSink
-from seqpipe.core.split_backward import SplitBackward, autograd_inputs
+from seqpipe.core.split_backward import SplitBackward, autograd_inputs, with_outside
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, swap_skip_tracker
 
@@ -298,18 +298,21 @@ class Stage:
 
         The parameters' gradients accumulate into ``sink`` (the one the forward ran
         with), else into ``.grad`` (their post-accumulate hooks fire, e.g. a gradient
-        reducer's); autograd is asked for those and the received tensors' only
-        (``inputs=``), unless the sink is ``plain``. A parameter that reached autograd
-        without its alias (through a custom ``autograd.Function.apply``) still gets its
-        gradient, in ``.grad``.
+        reducer's); autograd is asked for those and the received tensors' (``inputs=``),
+        with the tensors outside the pipe the graph reaches where the sink's backward is
+        ``whole``, or for nothing (every leaf reached) where it is ``plain``. A parameter
+        that reached autograd without its alias (a custom ``autograd.Function.apply``)
+        still gets its gradient, in ``.grad``.
         """
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         phony = state.entry.phony
         wrt = self._weights(sink)
         if phony is not None:
             wrt = [phony, *wrt]
-        if roots and wrt:
-            only = () if sink is not None and sink.plain else autograd_inputs(wrt)
+        plain = sink is not None and sink.plain
+        if roots and (wrt or plain):
+            only = () if plain else autograd_inputs(
+                with_outside(wrt, roots) if sink is not None and sink.whole else wrt)
             try:  # _backpropagating, without its generators' cost per micro-batch
                 if state.stream is None:
                     run_backward(roots, grads, only)
@@ -360,17 +363,17 @@ class Stage:
         return self._received_grads(state)
 
     def backward_weight(self, state: TaskState, *, sink: Optional[GradSink] = None) -> None:
-        """The second half of a split backward (``W``): the parameters' gradients, into
-        ``sink`` or ``.grad`` as ``backward`` would; frees the micro-batch's graph."""
-        assert state.split is not None, "backward_weight before backward_input"
+        """The second half of a split backward (``W``): the parameters' gradients (and the
+        outside tensors'), as ``backward`` gives them; frees the micro-batch's graph."""
         split, state.split = state.split, None
+        assert split is not None, "backward_weight before backward_input"
         weights = self._weights(sink)
         call = self.leaves is None  # FSDP2: hooks that W must run (SplitBackward.weight)
-        plain = sink is not None and sink.plain  # as ``backward``: no ``inputs=`` needed
+        plain, outside = (sink.plain, sink.whole) if sink is not None else (False, False)
         with self._backpropagating(state):
-            split.weight(weights, call=call, plain=plain)
-        if state.head is not None and state.head.split is not None:
-            state.head.split.weight(weights, call=call)  # params loss_fn itself used
+            split.weight(weights, call=call, plain=plain, outside=outside)
+        if state.head is not None and state.head.split is not None:  # what loss_fn used
+            state.head.split.weight(weights, call=call, outside=outside)
 
     @staticmethod
     def _pairs(state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
@@ -392,9 +395,6 @@ class Stage:
         return Grads(tuple(grads[:state.num_inputs]), skips)
 
     def finish_forward(self, *, failed: bool = False) -> None:
-        """End of a mini-batch's forwards: commit deferred BatchNorm statistics.
-
-        After a failed call the partial statistics are dropped instead, so they cannot leak
-        into the next mini-batch's update.
-        """
+        """End of a mini-batch's forwards: commit deferred BatchNorm statistics (after a
+        failed call, drop them, so they cannot leak into the next mini-batch's update)."""
         end_statistics(self.partition, failed=failed)

@@ -39,13 +39,13 @@ aliases, FSDP2's and tensor-parallel stages, and in ``Pipe`` (docs/pipe.md says 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import ContextManager, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from seqpipe.core.sink import AliasSink, GradSink, open_sink, plain_parameters
+from seqpipe.core.sink import AliasSink, GradSink, open_sink
 from seqpipe.core.stage import Stage
 
 __all__ = ["StepGrads"]
@@ -63,11 +63,14 @@ class StepGrads:
         partitions: List[nn.Module] = [nn.Module() for _ in range(stage.index)]
         self.sink = open_sink([*partitions, stage.partition])
         self.aliased = isinstance(self.sink, AliasSink)  # else all straight into .grad
-        self.sink.plain = plain_backward(stage, self.sink)
+        # train_step runs every backward itself: each is one over the whole graph
+        self.sink.whole_backward(recorded=stage.leaves is None)
+        self._recorded = _Recorded(stage, self.sink) if self.aliased else self.sink
 
-    def sink_for(self, microbatch: int) -> Optional[GradSink]:
-        """Where ``microbatch``'s parameter gradients accumulate (``None``: ``.grad``)."""
-        return None if self.aliased and microbatch == self.last else self.sink
+    def sink_for(self, microbatch: int) -> GradSink:
+        """Where ``microbatch``'s parameter gradients accumulate: the sink, or, for the last
+        micro-batch with aliases, the parameters autograd records (``.grad``)."""
+        return self._recorded if microbatch == self.last else self.sink
 
     def handing_over(self, microbatch: int) -> ContextManager[None]:
         """Around ``microbatch``'s backward. For the last one: add the other micro-batches'
@@ -105,13 +108,22 @@ class StepGrads:
             torch.autograd.backward([p for p, _ in missed], [g for _, g in missed])
 
 
-def plain_backward(stage: Stage, sink: GradSink) -> bool:
-    """Whether ``stage``'s backwards into ``sink`` may run as the plain model's (no
-    ``inputs=``; see the module docstring): the sink holds nothing back (no hook needs
-    aliases), and autograd records the parameters themselves, plain ``nn.Parameter``s (not
-    FSDP2's unsharded leaves, nor a subclass such as a tensor-parallel ``DTensor``)."""
-    return not isinstance(sink, AliasSink) and stage.leaves is None and \
-        plain_parameters(sink.params)
+class _Recorded(GradSink):
+    """The last micro-batch's destination under aliases: the leaves autograd records for the
+    stage's parameters (the parameters, or FSDP2's), their ``.grad`` and hooks; its
+    backward runs as the step's others do (``whole``, ``plain``)."""
+
+    def __init__(self, stage: Stage, sink: GradSink) -> None:
+        self.stage, self.params = stage, sink.params
+        self.whole, self.plain = sink.whole, sink.plain
+
+    def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
+        """Run ``partition`` on ``args`` with its own parameters."""
+        return partition(*args)
+
+    def weights(self, stage: int) -> List[Tensor]:
+        """The leaves the forward used for the parameters (``Stage.used_parameters``)."""
+        return self.stage.used_parameters()
 
 
 class _AddFirst:
