@@ -1,9 +1,12 @@
-"""A distributed stage's backward runs as the plain model's where nothing is held back.
+"""A distributed stage's backward runs as the plain model's where autograd records plain
+parameters.
 
-``seqpipe.distributed.accumulate.StepGrads`` decides once per step and stage: without
-aliases (no parameter hook that needs them), with plain ``nn.Parameter``s and no FSDP2
-leaves, every ``B`` of the stage calls ``torch.autograd.backward(roots, grads)`` without
-``inputs=`` (``GradSink.plain``); otherwise with ``inputs=``, as before. These tests drive a
+``seqpipe.distributed.accumulate.StepGrads`` decides once per step and stage
+(``GradSink.whole_backward``): with plain ``nn.Parameter``s (or, where a parameter hook
+needs them, their aliases) and no FSDP2 leaves, every ``B`` of the stage calls
+``torch.autograd.backward(roots, grads)`` without ``inputs=`` (``GradSink.plain``);
+otherwise with ``inputs=``, which then name the tensors outside the pipe that the graph
+reaches too (``split_backward.with_outside``). These tests drive a
 stage the way ``DistributedPipe.train_step`` does (``sink_for``, ``handing_over``), in one
 process, watch which form autograd is called with, and check the gradients (parameters and
 received input) against the plain model's, micro-batch by micro-batch.
@@ -138,15 +141,15 @@ CASES = {
     "step-aware hook": (lambda m: m[0].weight.register_post_accumulate_grad_hook(
         step_aware(lambda p: None)), None, True),
     "post-accumulate hook": (lambda m: m[0].weight.register_post_accumulate_grad_hook(
-        lambda p: None), None, False),
-    "tensor hook": (lambda m: m[2].bias.register_hook(lambda g: g), None, False),
+        lambda p: None), None, True),
+    "tensor hook": (lambda m: m[2].bias.register_hook(lambda g: g), None, True),
     "parameter subclass": (_subclass, None, False),
     "FSDP2 leaves": (None, _sharded, False),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_backward_is_plain_exactly_where_nothing_is_held_back(
+def test_the_backward_is_plain_exactly_where_autograd_records_plain_parameters(
         case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     change, sharded, plain_expected = CASES[case]
     model, plain = _model(), _model()
@@ -179,15 +182,23 @@ def test_a_post_accumulate_hook_still_sees_the_whole_gradient_once() -> None:
     torch.testing.assert_close(seen[0], plain[0].weight.grad, atol=1e-12, rtol=1e-10)
 
 
-def test_the_plain_backward_reaches_what_the_plain_model_does() -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_backward_reaches_what_the_plain_model_does(case: str) -> None:
     """A tensor outside the pipe that a layer holds gets its gradient, as in the plain
-    model (``inputs=`` left it out; docs/pipe.md)."""
+    model, whether the backward is plain or names it in ``inputs=`` (docs/pipe.md)."""
+    change, sharded, _ = CASES[case]
     make: Callable[[], nn.Sequential] = lambda: nn.Sequential(  # noqa: E731
         *_model()[:2], Scaled(), _model()[2])
     model, plain = make(), make()
+    for m in (model, plain):
+        if change is not None:
+            change(m[:2] + m[3:])  # (the indices of _model's layers)
+    stage = _stage(model)
+    if sharded is not None:
+        sharded(stage)
     data = _data()
     expected = _plain(plain, data)
-    _same(model, plain, _step(_stage(model), data), expected)
+    _same(model, plain, _step(stage, data), expected)
     torch.testing.assert_close(model[2].scale.grad, plain[2].scale.grad,
                                atol=1e-12, rtol=1e-10)
 
@@ -199,13 +210,16 @@ def _reentrant() -> nn.Sequential:
 
 def test_a_reentrant_checkpoint_trains_under_the_plain_backward_and_is_refused_with_inputs(
         ) -> None:
-    """As the plain model, where the backward is plain; where the stage passes ``inputs=``
-    (here: a hook needs aliases) the step raises ``ReentrantCheckpointError`` as before."""
+    """As the plain model, where the backward is plain (a hook's aliases included); where
+    the stage passes ``inputs=`` (here: a parameter subclass) the step raises
+    ``ReentrantCheckpointError`` as before."""
     model, plain = _reentrant(), _reentrant()
     data = _data()
     expected = _plain(plain, data)
     _same(model, plain, _step(_stage(model), data), expected)
     model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    _same(model, plain, _step(_stage(model), data), _plain(plain, data))
+    model[0].weight = Tagged(model[0].weight.detach().clone())
     with pytest.raises(ReentrantCheckpointError, match="use_reentrant=False"):
         _step(_stage(model), data)
 

@@ -5,7 +5,8 @@ mode and both engines; a split backward (``I`` then ``W``) recomputes at ``I``.
   random numbers is differentiated at the draw whose loss it returned.
 * A layer that checkpoints itself (``torch.utils.checkpoint(..., use_reentrant=False)``
   inside its forward, as Hugging Face models do under ``gradient_checkpointing_enable()``)
-  trains with the plain model's gradients; with ``use_reentrant=True`` the step raises
+  trains with the plain model's gradients; so does one with ``use_reentrant=True``, but
+  in an ``I`` (which asks autograd for the input's gradient only), where the step raises
   ``ReentrantCheckpointError``, naming the fix.
 """
 from __future__ import annotations
@@ -215,14 +216,26 @@ def test_a_layer_that_checkpoints_itself_under_forward_and_backward(every: Optio
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_a_reentrant_checkpoint_inside_a_layer_is_refused_naming_the_fix(
+def test_a_reentrant_checkpoint_inside_a_layer_trains_unless_an_i_must_stop_at_the_input(
         schedule: str, stage: int) -> None:
-    """Stage 0 of ``zb_h1`` meets it in a ``W`` (it has no input path), stage 1 in an ``I``."""
+    """A stage's backward runs as the plain model's (``B``, and the ``W`` of stage 0,
+    which has no input path): the layer trains as in the plain model, as in
+    ``DistributedPipe``. Stage 1 of ``zb_h1`` meets it in an ``I``, which asks autograd
+    for the input's gradient only: refused, naming the fix."""
     x, y = data()
     layers = [nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
     layers[1 + stage] = SelfCheckpointed(reentrant=True)
-    pipe = Pipe(nn.Sequential(*layers).to(DTYPE), chunks=M, balance=[2, 2],
-                devices=["cpu"] * 2)
+    model = nn.Sequential(*layers).to(DTYPE)
+    plain = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=M, balance=[2, 2], devices=["cpu"] * 2)
+    if schedule == "1f1b" or stage == 0:
+        loss = pipe.train_step(x, y, F.mse_loss, schedule=schedule)
+        expected = F.mse_loss(plain(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), atol=1e-12, rtol=1e-10)
+        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10, msg=name)
+        return
     with pytest.raises(ReentrantCheckpointError, match="use_reentrant=False") as info:
         pipe.train_step(x, y, F.mse_loss, schedule=schedule)
     assert f"a layer of stage {stage} checkpoints itself" in str(info.value)

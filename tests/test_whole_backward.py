@@ -2,11 +2,12 @@
 autograd call is a backward over the whole graph.
 
 ``_PipeFunction.backward`` asks autograd (``seqpipe.local.direct.whole_backward``) whether
-the running call executes every node (``loss.backward()``): then, without parameter hooks,
+the running call executes every node (``loss.backward()``): then, with plain parameters,
 each stage's backward runs without ``inputs=`` and, where no ``.grad`` existed, the sums
 stay in ``.grad`` (``DirectSink.hold``). Under ``torch.autograd.grad`` or a backward with
 ``inputs=`` nothing changes: ``inputs=`` and the hand-over stay, so ``.grad`` is untouched
-where the call asks for no accumulation. Each case checks which form the stages' backwards
+where the call asks for no accumulation. With a parameter hook (an ``AliasSink``) the
+stages backpropagate into the aliases, plainly under a whole backward too. Each case checks which form the stages' backwards
 took and the gradients against the plain model's.
 """
 from __future__ import annotations
@@ -139,8 +140,10 @@ def test_a_backward_with_inputs_fills_only_those(monkeypatch: pytest.MonkeyPatch
     assert model[2].scale.grad is None
 
 
-def test_a_hook_keeps_inputs_under_a_whole_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An ``AliasSink`` backpropagates into its aliases whatever the caller's call is."""
+def test_a_hook_backpropagates_plainly_into_its_aliases_under_a_whole_backward(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``AliasSink``'s stages too run without ``inputs=`` under a whole backward: they
+    reach the aliases, which hand their sums over once (the hook fires once)."""
     model = _model()
     plain = copy.deepcopy(model)
     x = _x()
@@ -149,7 +152,7 @@ def test_a_hook_keeps_inputs_under_a_whole_backward(monkeypatch: pytest.MonkeyPa
     model[0].weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
     seen = _watched(monkeypatch)
     _pipe(model)(x).square().mean().backward()
-    assert seen and all(inputs is not None for inputs in seen), seen
+    assert seen and all(inputs is None for inputs in seen), seen
     assert fired == [1]
     for name, param in plain.named_parameters():
         _close(_grads(model)[name], param.grad, name)
