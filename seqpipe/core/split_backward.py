@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -149,6 +149,10 @@ def _leaves(nodes: Sequence[Node]) -> List[Tensor]:
     return [v for v in found if isinstance(v, Tensor)]
 
 
+with torch.inference_mode(False):  # the class of a leaf's gradient accumulator
+    _ACCUMULATE = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
+
+
 def with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
                  entry: Optional[Tensor] = None) -> List[Tensor]:
     """``wrt``, and after it every other leaf the graph below ``roots`` reaches but
@@ -158,7 +162,21 @@ def with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
     call, where the plain backward needs no walk."""
     known = {id(t) for t in wrt}
     known.add(id(entry))
-    outside = [t for t in _leaves(reachable(roots)) if id(t) not in known]
+    outside: List[Tensor] = []
+    seen: Set[Node] = set()
+    stack = [e.node for e in roots]
+    while stack:  # ``reachable``, with the leaves picked on the way (~2 µs a node)
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node) is _ACCUMULATE:
+            if id(node.variable) not in known:
+                outside.append(node.variable)
+            continue
+        for child, _ in node.next_functions:
+            if child is not None:
+                stack.append(child)
     return [*wrt, *outside] if outside else wrt
 
 
