@@ -7,8 +7,7 @@ roots, grads)``, where it used to pass ``inputs=`` (its parameters and received 
 ``seqpipe/distributed/accumulate.py``). This runs ``dist_transformer_vs_torch.py``'s GPT-style
 model (same defaults) on 2 ranks, gloo, one intra-op thread each, and alternates in every
 round a step with the plain backward (``plain``) and one with it switched off (``inputs=``,
-what every step did before, now with the walk that finds the tensors outside the pipe to
-name there too, as FSDP2's and tensor-parallel stages run), the order flipped each round so that machine load hits both.
+what every step did before), the order flipped each round so that machine load hits both.
 It checks that both give the same gradients, then prints per rank the median main-thread
 CPU time per step (``time.thread_time``, the figure issue 24 compares with torch
 pipelining) and the median wall time of a step, and the median of the per-round ratios.
@@ -30,20 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_transformer_vs_torch import balance_of, loss_fn, make_gpt  # noqa: E402
 from dist_vs_torch_pipelining import _init, spawn  # noqa: E402
 
-from seqpipe.core.sink import GradSink  # noqa: E402
+import seqpipe.distributed.accumulate as accumulate  # noqa: E402
 from seqpipe.distributed import DistributedPipe  # noqa: E402
 
-_WHOLE = GradSink.whole_backward
+_INIT = accumulate.StepGrads.__init__
 
 
-def _with_inputs(sink: GradSink, recorded: bool = True) -> None:
-    """A step's backwards as a stage must run them where autograd records no plain
-    parameters (FSDP2, tensor parallelism): ``inputs=``, widened to the tensors outside
-    the pipe that a walk over the graph finds (``split_backward.with_outside``)."""
-    _WHOLE(sink, recorded=False)
+def _with_inputs(grads: accumulate.StepGrads, stage: Any, last: int) -> None:
+    """A step whose backwards pass ``inputs=`` (what every step did before session 9)."""
+    _INIT(grads, stage, last)
+    grads.sink.plain = grads.sink_for(last).plain = False
 
 
-FORMS = {"plain": _WHOLE, "inputs=": _with_inputs}
+FORMS = {"plain": _INIT, "inputs=": _with_inputs}
 
 
 def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -61,7 +59,7 @@ def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         grads: Dict[str, List[torch.Tensor]] = {}
         for r in range(args.warmup + args.rounds):
             for form in (list(FORMS) if r % 2 == 0 else list(FORMS)[::-1]):
-                GradSink.whole_backward = FORMS[form]  # called by StepGrads, per step
+                accumulate.StepGrads.__init__ = FORMS[form]  # type: ignore[method-assign]
                 for param in pipe.parameters():
                     param.grad = None
                 dist.barrier()
@@ -76,7 +74,7 @@ def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
         queue.put((rank, cpu, wall))
     finally:
-        GradSink.whole_backward = _WHOLE
+        accumulate.StepGrads.__init__ = _INIT  # type: ignore[method-assign]
         dist.destroy_process_group()
 
 

@@ -6,9 +6,10 @@ The plain model's ``loss.backward()`` accumulates into it; so must every path of
 pipe that runs a backward over the whole graph: ``pipe(x)`` + ``loss.backward()``,
 ``Pipe.train_step`` and ``DistributedPipe.train_step``, under a one-piece backward
 (``fill_drain``, ``1f1b``) or a split one (``zb_h1``'s ``I`` and ``W``), with a parameter
-hook (the ``AliasSink``'s aliases) and with a parameter subclass (a stage that must name
-what it backpropagates into, ``inputs=``, as FSDP2's and tensor-parallel stages do).
-Before, every ``train_step`` path and the aliased call left the tensor's ``.grad`` ``None``,
+hook (the ``AliasSink``'s aliases), a parameter subclass, and a weight used twice (whose
+split ``W`` reruns the whole backward naming its targets in ``inputs=``). Before, every
+``train_step`` path and the aliased call left the tensor's ``.grad`` ``None`` (or, where
+``DistributedPipe`` splits a stage's last backward, short of one micro-batch's share),
 silently (docs/pipe.md, "The stage backward's `inputs=`").
 
 The ``DistributedPipe`` cases (``on_two_ranks``) run in ``test_split_recompute``'s launch.
@@ -42,8 +43,20 @@ class Scale(nn.Module):
 
 
 class Tagged(nn.Parameter):
-    """A parameter subclass (as a tensor-parallel ``DTensor`` is one): its stage keeps
-    ``inputs=``, so the outside tensor must be found in the graph and named there."""
+    """A parameter subclass (as a tensor-parallel ``DTensor`` is one)."""
+
+
+class Both(nn.Module):
+    """Uses its layer's weight twice: a node off the input path with two parents, so that a
+    split backward's ``W`` reruns the whole backward, naming what it reaches in
+    ``inputs=`` (``SplitBackward.whole``)."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x) + self.layer(x.flip(-1))
 
 
 def _tag(model: nn.Sequential) -> None:
@@ -54,9 +67,14 @@ def _hook(model: nn.Sequential) -> None:
     model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
 
 
+def _twice(model: nn.Sequential) -> None:
+    model[-1] = Both(model[-1])
+
+
 # name -> what is done to both models (the pipe's and the plain one)
 KINDS: Dict[str, Optional[Callable[[nn.Sequential], None]]] = {
-    "no hooks": None, "parameter hook": _hook, "parameter subclass": _tag}
+    "no hooks": None, "parameter hook": _hook, "parameter subclass": _tag,
+    "weight used twice": _twice}
 
 
 def model(t: Optional[Tensor], stage: int) -> nn.Sequential:
@@ -157,12 +175,13 @@ def test_autograd_grad_through_a_pipe_leaves_the_outside_tensor_alone() -> None:
 
 def on_two_ranks(rank: int, failures: Any) -> None:
     """The same cases on ``DistributedPipe``, two ranks (in a launch that has a process
-    group up): every schedule of ``PATHS`` but ``call``, both kinds of parameter that
-    change the path, a tensor in each stage and in ``loss_fn``."""
+    group up): every schedule of ``PATHS`` but ``call``, the kinds that take another path
+    there, a tensor in each stage and in ``loss_fn``."""
     from seqpipe.distributed import DistributedPipe
     x, y = data()
+    kinds = ("no hooks", "parameter hook", "weight used twice")  # (a subclass: as no hooks)
     for path, kind, (where, stage) in itertools.product(
-            PATHS[1:], KINDS, (("layer", 0), ("layer", 1), ("loss", 1))):
+            PATHS[1:], kinds, (("layer", 0), ("layer", 1), ("loss", 1))):
         what = f"outside: {path}/{kind}/{where} {stage}"
         t, mine, plain, loss_fn = case(where, stage)
         change = KINDS[kind]

@@ -1,12 +1,11 @@
-"""A distributed stage's backward runs as the plain model's where autograd records plain
-parameters.
+"""A distributed stage's backward runs as the plain model's: ``train_step`` runs them all.
 
-``seqpipe.distributed.accumulate.StepGrads`` decides once per step and stage
-(``GradSink.whole_backward``): with plain ``nn.Parameter``s (or, where a parameter hook
-needs them, their aliases) and no FSDP2 leaves, every ``B`` of the stage calls
-``torch.autograd.backward(roots, grads)`` without ``inputs=`` (``GradSink.plain``);
-otherwise with ``inputs=``, which then name the tensors outside the pipe that the graph
-reaches too (``split_backward.with_outside``). These tests drive a
+``seqpipe.distributed.accumulate.StepGrads`` marks its sink ``plain``: every ``B`` of the
+stage calls ``torch.autograd.backward(roots, grads)`` without ``inputs=``, whatever
+autograd records for the parameters (the parameters, their aliases where a hook needs
+them, a parameter subclass, FSDP2's unsharded leaves), so that it reaches what the plain
+model's ``loss.backward()`` reaches: a tensor outside the pipe that a layer holds gets its
+gradient, and a layer may checkpoint itself the reentrant way. These tests drive a
 stage the way ``DistributedPipe.train_step`` does (``sink_for``, ``handing_over``), in one
 process, watch which form autograd is called with, and check the gradients (parameters and
 received input) against the plain model's, micro-batch by micro-batch.
@@ -22,7 +21,6 @@ from torch.utils.checkpoint import checkpoint
 
 import seqpipe.core.entry
 import seqpipe.core.stage
-from seqpipe import ReentrantCheckpointError
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import step_aware
 from seqpipe.core.stage import Received, Stage
@@ -135,23 +133,23 @@ def _sharded(stage: Stage) -> None:  # FSDP2 sets leaves: the unsharded paramete
     stage.leaves = Stage.parameters
 
 
-# name -> (change to the model, change to the stage, plain backward expected)
+# name -> (change to the model, change to the stage)
 CASES = {
-    "no hooks": (None, None, True),
+    "no hooks": (None, None),
     "step-aware hook": (lambda m: m[0].weight.register_post_accumulate_grad_hook(
-        step_aware(lambda p: None)), None, True),
+        step_aware(lambda p: None)), None),
     "post-accumulate hook": (lambda m: m[0].weight.register_post_accumulate_grad_hook(
-        lambda p: None), None, True),
-    "tensor hook": (lambda m: m[2].bias.register_hook(lambda g: g), None, True),
-    "parameter subclass": (_subclass, None, False),
-    "FSDP2 leaves": (None, _sharded, False),
+        lambda p: None), None),
+    "tensor hook": (lambda m: m[2].bias.register_hook(lambda g: g), None),
+    "parameter subclass": (_subclass, None),
+    "FSDP2 leaves": (None, _sharded),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_backward_is_plain_exactly_where_autograd_records_plain_parameters(
+def test_every_backward_of_a_step_is_plain(
         case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    change, sharded, plain_expected = CASES[case]
+    change, sharded = CASES[case]
     model, plain = _model(), _model()
     for m in (model, plain):
         if change is not None:
@@ -164,10 +162,7 @@ def test_the_backward_is_plain_exactly_where_autograd_records_plain_parameters(
     seen = _watched(monkeypatch)
     got = _step(stage, data)
     assert len(seen) >= M, seen
-    if plain_expected:
-        assert all(inputs is None for inputs in seen), f"{case}: {seen}"
-    else:
-        assert all(inputs is not None for inputs in seen), f"{case}: {seen}"
+    assert all(inputs is None for inputs in seen), f"{case}: {seen}"
     _same(model, plain, got, expected)
 
 
@@ -185,8 +180,8 @@ def test_a_post_accumulate_hook_still_sees_the_whole_gradient_once() -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_backward_reaches_what_the_plain_model_does(case: str) -> None:
     """A tensor outside the pipe that a layer holds gets its gradient, as in the plain
-    model, whether the backward is plain or names it in ``inputs=`` (docs/pipe.md)."""
-    change, sharded, _ = CASES[case]
+    model (``inputs=`` left it out; docs/pipe.md)."""
+    change, sharded = CASES[case]
     make: Callable[[], nn.Sequential] = lambda: nn.Sequential(  # noqa: E731
         *_model()[:2], Scaled(), _model()[2])
     model, plain = make(), make()
@@ -208,20 +203,21 @@ def _reentrant() -> nn.Sequential:
     return nn.Sequential(*_model()[:2], Reentrant(), _model()[2])
 
 
-def test_a_reentrant_checkpoint_trains_under_the_plain_backward_and_is_refused_with_inputs(
-        ) -> None:
-    """As the plain model, where the backward is plain (a hook's aliases included); where
-    the stage passes ``inputs=`` (here: a parameter subclass) the step raises
-    ``ReentrantCheckpointError`` as before."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_reentrant_checkpoint_trains_as_in_the_plain_model(case: str) -> None:
+    """Where the backward named its inputs (before, or a split backward's ``I``: see
+    ``tests/test_split_recompute.py``) it raises ``ReentrantCheckpointError``."""
+    change, sharded = CASES[case]
     model, plain = _reentrant(), _reentrant()
+    for m in (model, plain):
+        if change is not None:
+            change(m[:2] + m[3:])  # (the indices of _model's layers)
+    stage = _stage(model)
+    if sharded is not None:
+        sharded(stage)
     data = _data()
     expected = _plain(plain, data)
-    _same(model, plain, _step(_stage(model), data), expected)
-    model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
-    _same(model, plain, _step(_stage(model), data), _plain(plain, data))
-    model[0].weight = Tagged(model[0].weight.detach().clone())
-    with pytest.raises(ReentrantCheckpointError, match="use_reentrant=False"):
-        _step(_stage(model), data)
+    _same(model, plain, _step(stage, data), expected)
 
 
 @pytest.mark.parametrize("case", ["no hooks", "post-accumulate hook"])

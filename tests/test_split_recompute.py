@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_outside_tensors import on_two_ranks
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from distributed_harness import Failures, run_workers
 from seqpipe import Pipe, ReentrantCheckpointError
 from seqpipe.distributed import DistributedPipe, PeerError
-from test_outside_tensors import on_two_ranks
 
 DTYPE = torch.float64
 MODES = ("always", "except_last", "never")

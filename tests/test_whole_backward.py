@@ -2,13 +2,13 @@
 autograd call is a backward over the whole graph.
 
 ``_PipeFunction.backward`` asks autograd (``seqpipe.local.direct.whole_backward``) whether
-the running call executes every node (``loss.backward()``): then, with plain parameters,
-each stage's backward runs without ``inputs=`` and, where no ``.grad`` existed, the sums
-stay in ``.grad`` (``DirectSink.hold``). Under ``torch.autograd.grad`` or a backward with
+the running call executes every node (``loss.backward()``): then each stage's backward
+runs without ``inputs=`` and, where no ``.grad`` existed, the sums stay in ``.grad``
+(``DirectSink.hold``). Under ``torch.autograd.grad`` or a backward with
 ``inputs=`` nothing changes: ``inputs=`` and the hand-over stay, so ``.grad`` is untouched
 where the call asks for no accumulation. With a parameter hook (an ``AliasSink``) the
-stages backpropagate into the aliases, plainly under a whole backward too. Each case checks which form the stages' backwards
-took and the gradients against the plain model's.
+stages backpropagate into the aliases, plainly under a whole backward too. Each case
+checks which form the stages' backwards took and the gradients against the plain model's.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ from seqpipe.core.trainable import (
 )
 
 __all__ = ["GradSink", "AliasSink", "DirectSink", "ddp_forward_running", "open_sink",
-           "needs_aliases", "plain_parameters", "step_aware", "trainable"]
+           "needs_aliases", "step_aware", "trainable"]
 
 # What stays with the real parameter: its autograd metadata and identity, not its values.
 _KEEP = frozenset({
@@ -192,22 +192,12 @@ class GradSink:
 
     params: List[nn.Parameter]  # the trainable parameters, each once, in model order
     # Whether every backward into this sink is one over the whole graph, as the plain
-    # model's ``loss.backward()``: each leaf it reaches gets its gradient, tensors outside
-    # the pipe included (``whole_backward``).
-    whole = False
-    # Whether a stage then backpropagates as the plain model does, with
-    # ``autograd.backward(roots, grads)`` and no ``inputs=``.
+    # model's ``loss.backward()``: its owner runs each one (a ``train_step``), or the
+    # caller's autograd call is one (``hold``). A stage then backpropagates as the plain
+    # model does, with ``autograd.backward(roots, grads)`` and no ``inputs=``, and a split
+    # backward's ``W`` reaches every leaf behind the weight path: each leaf reached gets
+    # its gradient, a tensor outside the pipe that a layer or ``loss_fn`` holds included.
     plain = False
-
-    def whole_backward(self, recorded: bool = True) -> None:
-        """From now on the stages' backwards into this sink are over the whole graph: the
-        owner runs every one itself (a ``train_step``), or the caller's autograd call is
-        one (``hold``). They run as the plain model's, without ``inputs=`` (``plain``),
-        where autograd records plain ``nn.Parameter``s or their aliases (``recorded``: not
-        FSDP2's unsharded leaves; no subclass); else with ``inputs=`` that name the tensors
-        outside the pipe that the graph reaches too (``split_backward.with_outside``)."""
-        self.whole = True
-        self.plain = recorded and plain_parameters(self.params)
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
         """Run ``partition`` (number ``stage``) on ``args``."""
@@ -285,10 +275,9 @@ class AliasSink(GradSink):
 
     def hold(self, whole: bool = False) -> None:
         """The sums never reach ``.grad``: nothing to put aside. With ``whole``, the
-        stages' backwards are over the whole graph (``whole_backward``): a plain one
-        accumulates into the aliases as ``inputs=`` would, and into what else it reaches."""
-        if whole:
-            self.whole_backward()
+        stages backpropagate as the plain model does (``plain``): into the aliases, as
+        ``inputs=`` would, and into whatever else the caller's call reaches."""
+        self.plain = whole
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """Each parameter with its summed gradient, letting go of it here (so autograd can
@@ -334,10 +323,10 @@ class DirectSink(GradSink):
         """From now until ``take``, ``.grad`` holds this call's sums only: the values before
         are put aside (the local engine's autograd Function hands the sums to autograd).
 
-        With ``whole`` (the caller's autograd call is a backward over the whole graph) and
-        plain ``nn.Parameter``s (``plain_parameters``), the stages backpropagate as the
-        plain model does, without ``inputs=`` (``plain``): that call would accumulate into
-        every leaf the stages' graphs reach, and so does their backward. If, besides,
+        With ``whole`` (the caller's autograd call is a backward over the whole graph), the
+        stages backpropagate as the plain model does, without ``inputs=`` (``plain``): that
+        call would accumulate into every leaf the stages' graphs reach, and so does their
+        backward. If, besides,
         every ``.grad`` is ``None``, nothing is put aside and the sums stay in ``.grad``,
         where that call would have put them: ``take`` hands nothing over."""
         before: List[Tuple[nn.Parameter, Tensor]] = []
@@ -347,9 +336,8 @@ class DirectSink(GradSink):
                 before.append((param, grad))
                 param.grad = None
         self._before = before
-        if whole:
-            self.whole_backward()
-        self._in_place = self.plain and not before
+        self.plain = whole
+        self._in_place = whole and not before
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """After ``hold``: each parameter with its summed gradient, and ``.grad`` as it was
@@ -377,16 +365,6 @@ class DirectSink(GradSink):
                 param.grad = None
             return
         self.take()
-
-
-def plain_parameters(params: Iterable[Tensor]) -> bool:
-    """Whether every one of ``params`` is a plain ``nn.Parameter`` (not a subclass such as a
-    tensor-parallel ``DTensor``, nor FSDP2's): a backward into them may run as the plain
-    model's, without ``inputs=``."""
-    for param in params:  # a loop, not a generator: a call's fixed cost
-        if type(param) is not nn.Parameter:
-            return False
-    return True
 
 
 def open_sink(partitions: Sequence[nn.Module]) -> GradSink:

@@ -68,7 +68,7 @@ from torch.overrides import has_torch_function
 
 from seqpipe.core.saved import SavedTensors
 
-__all__ = ["SplitBackward", "autograd_inputs", "reachable", "with_outside"]
+__all__ = ["SplitBackward", "autograd_inputs", "reachable"]
 
 Node = Any  # torch.autograd.graph.Node
 Edges = Tuple[Tuple[Optional[Node], int], ...]  # a node's ``next_functions``
@@ -153,13 +153,13 @@ with torch.inference_mode(False):  # the class of a leaf's gradient accumulator
     _ACCUMULATE = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
 
 
-def with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
-                 entry: Optional[Tensor] = None) -> List[Tensor]:
+def _with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
+                  entry: Optional[Tensor] = None) -> List[Tensor]:
     """``wrt``, and after it every other leaf the graph below ``roots`` reaches but
     ``entry`` (the stage's input node's leaf): a tensor outside the pipe that a layer or
-    ``loss_fn`` holds. What a backward over the whole graph accumulates into, for a stage
-    backward that must name them in ``inputs=``; it walks the graph (``reachable``) each
-    call, where the plain backward needs no walk."""
+    ``loss_fn`` holds. What a backward over the whole graph accumulates into, for one that
+    must name them in ``inputs=`` (``W`` rerunning a whole backward past a shared node); a
+    walk over the graph (``reachable``'s), where the plain backward needs none."""
     known = {id(t) for t in wrt}
     known.add(id(entry))
     outside: List[Tensor] = []
@@ -319,32 +319,33 @@ class SplitBackward:
     def _input_only(self) -> None:
         _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
 
-    def weight(self, wrt: Sequence[Tensor], *, call: bool = True, plain: bool = False,
-               outside: bool = False) -> None:
+    def weight(self, wrt: Sequence[Tensor], *, call: bool = True, plain: bool = False) -> None:
         """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph.
 
         The boundary nodes run in a fixed order: the one whose parameters come last in
         ``wrt`` first (see the module's docstring for how each runs). ``call=False``:
         the engine runs every boundary node again, so that hooks on their outputs run
         in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
-        ``plain``: a stage without an input path backpropagates as the plain model does,
-        into every leaf (``Stage.backward``'s plain form), without ``inputs=``.
-        ``outside``: the step's backward is over the whole graph (``GradSink.whole``): the
-        leaves behind the weight path that are not in ``wrt`` (tensors outside the pipe
-        that a layer or ``loss_fn`` holds) get their gradients too, after ``wrt``'s.
+        ``plain``: the step's backward is over the whole graph (``GradSink.plain``), so
+        every leaf behind the weight path gets its gradient, not only ``wrt``'s (after
+        them): a tensor outside the pipe that a layer or ``loss_fn`` holds. A stage without
+        an input path then backpropagates as the plain model does, without ``inputs=``;
+        a whole rerun (a shared node) names them in ``inputs=`` (``_with_outside``).
         """
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
-            plain = plain and self.wrt_input is None
             if self.roots and (wrt or plain):
+                if plain and self.wrt_input is None:
+                    _backprop(self.roots, self.grads, ())
+                    return
                 targets = list(wrt)
-                if outside:
-                    targets = with_outside(targets, self.roots, self.wrt_input)
-                _backprop(self.roots, self.grads, () if plain else autograd_inputs(targets))
+                if plain:
+                    targets = _with_outside(targets, self.roots, self.wrt_input)
+                _backprop(self.roots, self.grads, autograd_inputs(targets))
             return
         order = {id(t): n for n, t in enumerate(wrt)}
         boundary, self.boundary = self.boundary, []
         off_path, self.off_path = self.off_path, []
-        if outside:  # the leaves behind the weight path, each listed there already
+        if plain:  # every leaf behind the weight path, each listed there already
             for behind in [b for *_, b in off_path] + [b for x in boundary for *_, b in x.off]:
                 for leaf in behind:
                     order.setdefault(id(leaf), len(order))

@@ -40,7 +40,7 @@ from seqpipe.core.rng import backward_stream, captures
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.segments import run_segments, segments_of, skips_between
 from seqpipe.core.sink import GradSink
-from seqpipe.core.split_backward import SplitBackward, autograd_inputs, with_outside
+from seqpipe.core.split_backward import SplitBackward, autograd_inputs
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, swap_skip_tracker
 
@@ -298,11 +298,10 @@ class Stage:
 
         The parameters' gradients accumulate into ``sink`` (the one the forward ran
         with), else into ``.grad`` (their post-accumulate hooks fire, e.g. a gradient
-        reducer's); autograd is asked for those and the received tensors' (``inputs=``),
-        with the tensors outside the pipe the graph reaches where the sink's backward is
-        ``whole``, or for nothing (every leaf reached) where it is ``plain``. A parameter
-        that reached autograd without its alias (a custom ``autograd.Function.apply``)
-        still gets its gradient, in ``.grad``.
+        reducer's); where the sink is ``plain``, as the plain model's (every leaf reached:
+        a tensor outside the pipe too), else for those and the received tensors' only
+        (``inputs=``). A parameter that reached autograd without its alias (a custom
+        ``autograd.Function.apply``) still gets its gradient, in ``.grad``.
         """
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         phony = state.entry.phony
@@ -311,8 +310,7 @@ class Stage:
             wrt = [phony, *wrt]
         plain = sink is not None and sink.plain
         if roots and (wrt or plain):
-            only = () if plain else autograd_inputs(
-                with_outside(wrt, roots) if sink is not None and sink.whole else wrt)
+            only = () if plain else autograd_inputs(wrt)
             try:  # _backpropagating, without its generators' cost per micro-batch
                 if state.stream is None:
                     run_backward(roots, grads, only)
@@ -369,11 +367,11 @@ class Stage:
         assert split is not None, "backward_weight before backward_input"
         weights = self._weights(sink)
         call = self.leaves is None  # FSDP2: hooks that W must run (SplitBackward.weight)
-        plain, outside = (sink.plain, sink.whole) if sink is not None else (False, False)
+        plain = sink is not None and sink.plain  # as ``backward``: every leaf reached
         with self._backpropagating(state):
-            split.weight(weights, call=call, plain=plain, outside=outside)
+            split.weight(weights, call=call, plain=plain)
         if state.head is not None and state.head.split is not None:  # what loss_fn used
-            state.head.split.weight(weights, call=call, outside=outside)
+            state.head.split.weight(weights, call=call, plain=plain)
 
     @staticmethod
     def _pairs(state: TaskState, grad_outputs: Sequence[Optional[Tensor]],

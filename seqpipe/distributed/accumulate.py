@@ -63,8 +63,7 @@ class StepGrads:
         partitions: List[nn.Module] = [nn.Module() for _ in range(stage.index)]
         self.sink = open_sink([*partitions, stage.partition])
         self.aliased = isinstance(self.sink, AliasSink)  # else all straight into .grad
-        # train_step runs every backward itself: each is one over the whole graph
-        self.sink.whole_backward(recorded=stage.leaves is None)
+        self.sink.plain = True  # train_step runs every backward itself (module docstring)
         self._recorded = _Recorded(stage, self.sink) if self.aliased else self.sink
 
     def sink_for(self, microbatch: int) -> GradSink:
@@ -111,11 +110,11 @@ class StepGrads:
 class _Recorded(GradSink):
     """The last micro-batch's destination under aliases: the leaves autograd records for the
     stage's parameters (the parameters, or FSDP2's), their ``.grad`` and hooks; its
-    backward runs as the step's others do (``whole``, ``plain``)."""
+    backward runs as the step's others do (``plain``)."""
 
     def __init__(self, stage: Stage, sink: GradSink) -> None:
         self.stage, self.params = stage, sink.params
-        self.whole, self.plain = sink.whole, sink.plain
+        self.plain = sink.plain
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
         """Run ``partition`` on ``args`` with its own parameters."""

@@ -159,7 +159,7 @@ class LocalPipeline:
         m = len(batches)
         run = self._open(m, True)
         assert run.sink is not None
-        run.sink.whole_backward()  # it runs every backward itself: as loss.backward() would
+        run.sink.plain = True  # it runs every backward itself: as loss.backward() would
         run.trace_step = hooks.begin_step(schedule, len(self.stages), len(actions), m)
         run.input_grads = [()] * m
         split = {(a.stage, a.microbatch) for stage in actions for a in stage
