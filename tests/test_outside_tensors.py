@@ -175,13 +175,13 @@ def test_autograd_grad_through_a_pipe_leaves_the_outside_tensor_alone() -> None:
 
 def on_two_ranks(rank: int, failures: Any) -> None:
     """The same cases on ``DistributedPipe``, two ranks (in a launch that has a process
-    group up): every schedule of ``PATHS`` but ``call``, the kinds that take another path
-    there, a tensor in each stage and in ``loss_fn``."""
+    group up): a one-piece and a split backward (``fill_drain``'s ``B`` is ``1f1b``'s),
+    the kinds that take another path there, a tensor in each stage and in ``loss_fn``."""
     from seqpipe.distributed import DistributedPipe
     x, y = data()
     kinds = ("no hooks", "parameter hook", "weight used twice")  # (a subclass: as no hooks)
     for path, kind, (where, stage) in itertools.product(
-            PATHS[1:], kinds, (("layer", 0), ("layer", 1), ("loss", 1))):
+            ("1f1b", "zb_h1"), kinds, (("layer", 0), ("layer", 1), ("loss", 1))):
         what = f"outside: {path}/{kind}/{where} {stage}"
         t, mine, plain, loss_fn = case(where, stage)
         change = KINDS[kind]
