@@ -31,21 +31,24 @@ MODES = ("always", "except_last", "never")
 
 class ReentrantCheckpointError(RuntimeError):
     """A layer checkpoints itself with ``torch.utils.checkpoint.checkpoint(...,
-    use_reentrant=True)``, whose backward seqpipe cannot run.
+    use_reentrant=True)`` in a stage backward that seqpipe cannot run it in.
 
-    Each stage backpropagates into its own inputs and parameters only
-    (``torch.autograd.backward(..., inputs=...)``), so that its gradients go where the
-    schedule says (a split backward's ``I`` and ``W`` included); the reentrant form runs a
-    backward of its own inside, which torch refuses under ``inputs``. The non-reentrant
-    form (``use_reentrant=False``) works under every schedule and checkpoint mode.
+    A stage backward that asks autograd for part of the graph
+    (``torch.autograd.backward(..., inputs=...)``: a split backward's ``I``, which wants the
+    input's gradient only, or a ``Pipe``'s stages under ``torch.autograd.grad`` or
+    ``backward(inputs=...)``) cannot run the reentrant form, which runs a backward of its
+    own inside, which torch refuses under ``inputs``. Every other stage backward runs as
+    the plain model's, and trains it. The non-reentrant form (``use_reentrant=False``)
+    works under every schedule, checkpoint mode and autograd call.
     """
 
     def __init__(self, stage: int) -> None:
         super().__init__(
             f"a layer of stage {stage} checkpoints itself with torch.utils.checkpoint."
-            f"checkpoint(..., use_reentrant=True), whose backward cannot run in a pipeline "
-            f"stage (each stage backpropagates with autograd.backward(inputs=...), which the "
-            f"reentrant form refuses); pass use_reentrant=False (for a Hugging Face model: "
+            f"checkpoint(..., use_reentrant=True), whose backward cannot run in this stage "
+            f"backward (it asks autograd for part of the graph with inputs=..., a split "
+            f"backward's I or an autograd.grad call, which the reentrant form refuses); "
+            f"pass use_reentrant=False (for a Hugging Face model: "
             f"gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': "
             f"False}})), or leave recomputation to the pipe's own checkpoint= argument")
 

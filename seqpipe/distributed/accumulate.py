@@ -23,18 +23,19 @@ A parameter the last micro-batch does not reach (say, a layer skipped in that mi
 only) got no accumulation: it is handed its sum (zero if preloaded) through autograd
 afterwards, so its hooks fire once too.
 
-Without aliases, the stage's ``B`` backwards run as the unpipelined model's
-``loss.backward()`` does: ``torch.autograd.backward(roots, grads)``, without the ``inputs=``
-(its received tensors and parameters) that a stage's backward passes otherwise
-(``plain_backward``, ``GradSink.plain``). ``inputs=`` makes autograd mark the graph's paths
-to them first: ~4 % of the backward of four small transformer layers
-(``benchmarks/backward_inputs.py``). ``train_step`` runs every backward of the step itself,
-so nothing outside asked for part of the graph: what a stage's graph reaches besides its
-parameters and its input node is then treated as the plain model's backward treats it (a
+``train_step`` runs every backward of the step itself, so nothing outside asked for part
+of the graph: the sink is ``plain`` (``GradSink.plain``), and the stage's ``B`` backwards,
+the last micro-batch's with the real parameters included, run as the unpipelined model's
+``loss.backward()`` does, ``torch.autograd.backward(roots, grads)`` without the
+``inputs=`` (received tensors, parameters or their aliases or FSDP2's leaves) a stage's
+backward passes otherwise, whatever autograd records for the parameters. What a stage's
+graph reaches besides those is then treated as the plain model's backward treats it (a
 tensor outside the pipe that a layer or ``loss_fn`` holds gets its gradient, a reentrant
-``torch.utils.checkpoint`` runs), where ``inputs=`` left it out or refused it. ``inputs=``
-stays for a split backward's ``I`` and ``W`` (each asks for part of the graph), a stage with
-aliases, FSDP2's and tensor-parallel stages, and in ``Pipe`` (docs/pipe.md says why).
+``torch.utils.checkpoint`` runs), where ``inputs=`` left it out, silently, or refused it;
+and autograd marks no paths first (~4 % of the backward of four small transformer layers,
+``benchmarks/backward_inputs.py``). A split backward's ``W`` reaches every leaf behind the
+weight path the same way (``SplitBackward.weight``); its ``I`` alone asks for part of the
+graph (docs/pipe.md, "The stage backward's `inputs=`").
 """
 from __future__ import annotations
 

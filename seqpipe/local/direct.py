@@ -23,10 +23,10 @@ What differs from the engine, by construction (the plain model's behaviour): a t
 outside the pipe that a layer holds (a leaf that is not a parameter of the pipe, or a
 value of the caller's graph) gets its gradient, and a layer checkpointing itself with
 ``use_reentrant=True`` works, under every autograd call, where the engine's stage
-backward does so only under a backward over the whole graph (``whole_backward``) and
-otherwise, limited to the pipe's own parameters and inputs, leaves the tensor out and
-raises ``ReentrantCheckpointError``; and an exception raised inside the partition's
-backward carries no seqpipe note.
+backward does so under a backward over the whole graph (``whole_backward``) and
+otherwise (``torch.autograd.grad``, ``backward(inputs=...)``), limited to the pipe's own
+parameters and inputs, leaves the tensor out and raises ``ReentrantCheckpointError``;
+and an exception raised inside the partition's backward carries no seqpipe note.
 """
 from __future__ import annotations
 
