@@ -12,7 +12,7 @@ received input) against the plain model's, micro-batch by micro-batch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import pytest
 import torch
@@ -177,13 +177,11 @@ def test_a_post_accumulate_hook_still_sees_the_whole_gradient_once() -> None:
     torch.testing.assert_close(seen[0], plain[0].weight.grad, atol=1e-12, rtol=1e-10)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_every_backward_reaches_what_the_plain_model_does(case: str) -> None:
-    """A tensor outside the pipe that a layer holds gets its gradient, as in the plain
-    model (``inputs=`` left it out; docs/pipe.md)."""
+def _trains_like_plain(case: str, make: Callable[[], nn.Sequential]
+                       ) -> Tuple[nn.Sequential, nn.Sequential]:
+    """``make()``'s model (``_model``'s with a third layer inserted), changed as ``case``
+    says, steps as the plain model does; returns both."""
     change, sharded = CASES[case]
-    make: Callable[[], nn.Sequential] = lambda: nn.Sequential(  # noqa: E731
-        *_model()[:2], Scaled(), _model()[2])
     model, plain = make(), make()
     for m in (model, plain):
         if change is not None:
@@ -194,6 +192,15 @@ def test_every_backward_reaches_what_the_plain_model_does(case: str) -> None:
     data = _data()
     expected = _plain(plain, data)
     _same(model, plain, _step(stage, data), expected)
+    return model, plain
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_backward_reaches_what_the_plain_model_does(case: str) -> None:
+    """A tensor outside the pipe that a layer holds gets its gradient, as in the plain
+    model (``inputs=`` left it out; docs/pipe.md)."""
+    model, plain = _trains_like_plain(
+        case, lambda: nn.Sequential(*_model()[:2], Scaled(), _model()[2]))
     torch.testing.assert_close(model[2].scale.grad, plain[2].scale.grad,
                                atol=1e-12, rtol=1e-10)
 
@@ -207,17 +214,7 @@ def _reentrant() -> nn.Sequential:
 def test_a_reentrant_checkpoint_trains_as_in_the_plain_model(case: str) -> None:
     """Where the backward named its inputs (before, or a split backward's ``I``: see
     ``tests/test_split_recompute.py``) it raises ``ReentrantCheckpointError``."""
-    change, sharded = CASES[case]
-    model, plain = _reentrant(), _reentrant()
-    for m in (model, plain):
-        if change is not None:
-            change(m[:2] + m[3:])  # (the indices of _model's layers)
-    stage = _stage(model)
-    if sharded is not None:
-        sharded(stage)
-    data = _data()
-    expected = _plain(plain, data)
-    _same(model, plain, _step(stage, data), expected)
+    _trains_like_plain(case, _reentrant)
 
 
 @pytest.mark.parametrize("case", ["no hooks", "post-accumulate hook"])
