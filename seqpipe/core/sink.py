@@ -326,9 +326,9 @@ class DirectSink(GradSink):
         With ``whole`` (the caller's autograd call is a backward over the whole graph), the
         stages backpropagate as the plain model does, without ``inputs=`` (``plain``): that
         call would accumulate into every leaf the stages' graphs reach, and so does their
-        backward. If, besides,
-        every ``.grad`` is ``None``, nothing is put aside and the sums stay in ``.grad``,
-        where that call would have put them: ``take`` hands nothing over."""
+        backward. If, besides, every ``.grad`` is ``None``, nothing is put aside and the
+        sums stay in ``.grad``, where that call would have put them: ``take`` hands nothing
+        over."""
         before: List[Tuple[nn.Parameter, Tensor]] = []
         for param in self.params:
             grad = param.grad

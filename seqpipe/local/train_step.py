@@ -18,7 +18,10 @@ and the sums are handed to autograd once, through an ``autograd.Function`` whose
 are the mini-batch's tensors and the trainable parameters (``_Handoff``); the hooks
 therefore fire once per step, with the whole gradient. Otherwise (a ``DirectSink``) the
 micro-batches accumulate straight into ``.grad`` and there is nothing to hand over
-(``seqpipe/core/sink.py``). The step runs while that Function's output is made, as a forward
+(``seqpipe/core/sink.py``). The step runs every backward itself, so each is one over the
+whole graph, as the plain model's (``GradSink.plain``): a tensor outside the pipe that a
+layer or ``loss_fn`` holds gets its gradient (docs/pipe.md, "The stage backward's
+`inputs=`"). The step runs while that Function's output is made, as a forward
 does; under ``DistributedDataParallel``, ``train_step(..., ddp=ddp)`` makes it inside DDP's
 own forward (which prepares DDP's reducer), and the hand-off's backward is an ordinary
 backward of DDP's output: the reducer averages the gradients once per mini-batch, as it does for
