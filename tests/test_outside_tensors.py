@@ -77,9 +77,14 @@ KINDS: Dict[str, Optional[Callable[[nn.Sequential], None]]] = {
     "weight used twice": _twice}
 
 
+# Who holds the outside tensor: a layer of partition 0 or 1, or ``loss_fn`` (partition 1's).
+WHERE = (("layer", 0), ("layer", 1), ("loss", 1))
+
+
 def model(t: Optional[Tensor], stage: int) -> nn.Sequential:
-    """Four layers over two partitions of two; ``Scale(t)`` (if any) in partition ``stage``,
-    after a parameter, so that the split backward reaches it through ``W``."""
+    """Four layers, and ``Scale(t)`` (if any) in partition ``stage`` of two; the last two
+    layers are partition 1. A split backward reaches ``t`` in ``W``: the product is on the
+    input path (partition 1) or behind a parameter (partition 0)."""
     torch.manual_seed(0)
     layers: List[nn.Module] = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3)]
     if t is not None:
@@ -93,9 +98,8 @@ def case(where: str, stage: int) -> Tuple[Tensor, nn.Sequential, nn.Sequential,
     holds the tensor, a layer of partition ``stage`` or ``loss_fn``."""
     t = torch.linspace(0.5, 1.5, 8 if where == "layer" else 3, dtype=DTYPE,
                        requires_grad=True)
-    held = t if where == "layer" else None
     if where == "layer":
-        return t, model(held, stage), model(held, stage), F.mse_loss
+        return t, model(t, stage), model(t, stage), F.mse_loss
     return t, model(None, stage), model(None, stage), lambda out, y: F.mse_loss(out * t, y)
 
 
@@ -124,10 +128,7 @@ def test_a_tensor_outside_the_pipe_gets_the_plain_models_gradient(path: str, kin
     or by ``loss_fn``, checkpointed or not."""
     x, y = data()
     change = KINDS[kind]
-    for where, stage, mode in itertools.product(("layer", "loss"), (0, 1),
-                                                ("except_last", "never")):
-        if where == "loss" and stage:
-            continue
+    for (where, stage), mode in itertools.product(WHERE, ("except_last", "never")):
         what = f"{path}/{kind}/{where} {stage}/{mode}"
         t, mine, plain, loss_fn = case(where, stage)
         for m in (mine, plain):
@@ -181,7 +182,7 @@ def on_two_ranks(rank: int, failures: Any) -> None:
     x, y = data()
     kinds = ("no hooks", "parameter hook", "weight used twice")  # (a subclass: as no hooks)
     for path, kind, (where, stage) in itertools.product(
-            ("1f1b", "zb_h1"), kinds, (("layer", 0), ("layer", 1), ("loss", 1))):
+            ("1f1b", "zb_h1"), kinds, WHERE):
         what = f"outside: {path}/{kind}/{where} {stage}"
         t, mine, plain, loss_fn = case(where, stage)
         change = KINDS[kind]
