@@ -63,17 +63,21 @@ from seqpipe.distributed.communicators import open_pairs
 from seqpipe.distributed.shapes import SeenShapes
 from seqpipe.distributed.values import Values
 from seqpipe.distributed.wire import (
+    DIRECT_BYTES,
     HEADER_BYTES,
     HEADER_SLOTS,
     Kind,
     Message,
     Spec,
+    as_sent,
     decode,
     decode_text,
+    direct,
     encode_text,
     header_words,
     nbytes,
     pack,
+    placeholder,
     read_header,
     spec_of,
     unpack,
@@ -101,12 +105,15 @@ class PeerError(RuntimeError):
 
 @dataclass
 class _Posted:
-    """The receive posted for a peer's next message, sized for the payload expected."""
+    """The receive posted for a peer's next message, sized for the payload expected: one
+    buffer, or a header and the payload tensor itself (``direct``)."""
 
     planned: Optional["Planned"]
     spec: Spec
     buffer: Tensor
     work: dist.Work
+    payload: Optional[Tensor] = None  # a direct message's tensor, received in place
+    payload_work: Optional[dist.Work] = None
 
 
 def _started(work: Optional[dist.Work]) -> dist.Work:
@@ -144,6 +151,7 @@ class Transport:
         self._pending: Dict[int, List[_Sent]] = defaultdict(list)
         self._globals: Dict[int, int] = {}  # stage -> global rank
         self.sent_bytes = 0  # every buffer sent, headers and placeholders included
+        self.direct_bytes: Optional[int] = DIRECT_BYTES  # None: every message in one buffer
         self._pin = device.type == "cuda"  # headers in pinned host memory, copied async
         self._side = torch.cuda.Stream(device) if self._pin else None
         self._arrived = torch.cuda.Event() if self._pin else None
@@ -189,7 +197,7 @@ class Transport:
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
         work = _started(dist.isend(buffer, dst=self.global_rank(stage),
                                    group=self.group_between(self.index, stage)))
-        self.sent_bytes += buffer.numel()
+        self.sent_bytes += buffer.numel() * buffer.element_size()
         self._pending[stage].append((taken_at, work, buffer))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
@@ -216,9 +224,16 @@ class Transport:
         queue = self._incoming[src]
         planned = queue.popleft() if queue else None
         spec = self._seen_in.posted(src, planned)
-        buffer = torch.empty(HEADER_BYTES + nbytes(spec), dtype=torch.uint8,
-                             device=self.device)
-        self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
+        if not direct(spec, self.direct_bytes):
+            buffer = torch.empty(HEADER_BYTES + nbytes(spec), dtype=torch.uint8,
+                                 device=self.device)
+            self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
+            return
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+        payload = torch.empty(spec[0][1], dtype=spec[0][0], device=self.device)
+        work = self._irecv(header, src)
+        self._posted[src] = _Posted(planned, spec, header, work, payload,
+                                    self._irecv(payload, src))
 
     # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
@@ -235,14 +250,19 @@ class Transport:
         taken_at = planned.taken_at if planned else sys.maxsize
         header = header_words(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
                               origin=origin, values=values)
-        if not reshaped:
+        if direct(expected, self.direct_bytes):  # the header, then the tensor as it is
+            self._isend(pack(header, [], HEADER_BYTES, self.device, pin=self._pin), stage,
+                        taken_at)
+            self._isend(as_sent(payload[0], self.device) if not reshaped else
+                        placeholder(expected, self.device), stage, taken_at)
+        elif not reshaped:
             self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device,
                              pin=self._pin), stage, taken_at)
         else:  # fill the receive the peer posted; the real payload follows on its own
             self._isend(pack(header, [], HEADER_BYTES + nbytes(expected), self.device,
                              pin=self._pin), stage, taken_at)
-            if payload:
-                self._isend(pack(None, payload, nbytes(actual), self.device), stage, taken_at)
+        if reshaped and payload:
+            self._isend(pack(None, payload, nbytes(actual), self.device), stage, taken_at)
         if planned is not None:
             self._seen_out.saw(stage, planned, actual)
             self._outgoing[stage].popleft()
@@ -269,6 +289,9 @@ class Transport:
         header = self._arrival(posted)
         kind, microbatch, key, count, atomic, reshaped, origin, specs, values = decode(header)
         if kind is Kind.ABORT:
+            if posted.payload_work is not None:  # filled too, by a placeholder: kept alive
+                inflight.keep([(posted.payload_work, posted.payload)], group=self.group,
+                              wanted=False)
             raise PeerError(decode_text(header), peer=stage)
         planned = posted.planned
         if planned is not None and planned.identity != (kind, microbatch, key, origin):
@@ -280,8 +303,14 @@ class Transport:
             if spec != posted.spec:
                 raise RuntimeError(f"internal error: stage {stage} sent a payload of another "
                                    f"shape than this stage posted, without saying so")
-            payload = unpack(posted.buffer, HEADER_BYTES, spec)
+            if posted.payload_work is not None and posted.payload is not None:
+                self._wait(posted.payload_work)
+                payload = [posted.payload]
+            else:
+                payload = unpack(posted.buffer, HEADER_BYTES, spec)
         else:
+            if posted.payload_work is not None:  # the placeholder that filled it
+                self._wait(posted.payload_work)
             buffer = torch.empty(nbytes(spec), dtype=torch.uint8, device=self.device)
             if spec:
                 work = self._irecv(buffer, stage)
@@ -336,7 +365,7 @@ class Transport:
 
     def pending_bytes(self) -> int:
         """Bytes of sent tensors still held until their sends are known to be complete."""
-        return sum(t.untyped_storage().nbytes() for sent in self._pending.values()
+        return sum(t.numel() * t.element_size() for sent in self._pending.values()
                    for _, _, t in sent)
 
     def flush(self) -> None:
@@ -377,9 +406,14 @@ class Transport:
         self.failure = text
         header = encode_text(Kind.ABORT, text, pin=self._pin)
         for stage in self.relay_to(heard_from):
-            size = HEADER_BYTES + nbytes(self._seen_out.posted(stage, self._outgoing[stage][0]))
+            posted = self._seen_out.posted(stage, self._outgoing[stage][0])
             try:
-                self._isend(pack(header, [], size, self.device), stage, sys.maxsize)
+                if direct(posted, self.direct_bytes):  # the header, and the payload's room
+                    self._isend(pack(header, [], HEADER_BYTES, self.device), stage, sys.maxsize)
+                    self._isend(placeholder(posted, self.device), stage, sys.maxsize)
+                else:
+                    self._isend(pack(header, [], HEADER_BYTES + nbytes(posted), self.device),
+                                stage, sys.maxsize)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
                 pass
         sent = [entry for entries in self._pending.values() for entry in entries]
