@@ -287,7 +287,7 @@ def _direct_payloads(rank: int, world: int, failures: Failures) -> None:
     torch.manual_seed(6)
     pipe = DistributedPipe(wide().to(DTYPE), chunks=4, balance=[2, 1], schedule="1f1b",
                            checkpoint="never")
-    pipe._transport.direct_bytes = 1  # every one-tensor payload (the default: 64 KiB)
+    pipe._transport.direct_bytes = 1  # every one-tensor payload (the default: 1 MiB)
     gen = torch.Generator().manual_seed(21)
     kind = Kind.ACTIVATION if rank == 0 else Kind.GRAD
     # (batch, payload buffers per activation or gradient): new shapes go as today (header
@@ -461,6 +461,7 @@ def test_a_direct_payload_is_the_tensor_itself_with_its_view_flags_applied() -> 
     cpu = torch.device("cpu")
     one = ((torch.float32, (32, 1024)),)
     assert wire.direct(one, 64 << 10) and not wire.direct(one, (128 << 10) + 1)
+    assert not wire.direct(one) and wire.direct(((torch.float32, (256, 1024)),))  # 1 MiB
     assert not wire.direct(one, None) and not wire.direct(one * 2, 1)
     assert not wire.direct((), 1)
     for tensor in _odd_tensors():

@@ -35,7 +35,7 @@ __all__ = ["HEADER_SLOTS", "HEADER_BYTES", "Kind", "Message", "Spec", "spec_of",
 
 HEADER_SLOTS = 256
 HEADER_BYTES = HEADER_SLOTS * 8
-DIRECT_BYTES = 64 << 10  # a one-tensor payload this large travels apart, uncopied (``direct``)
+DIRECT_BYTES = 1 << 20  # a one-tensor payload this large travels apart, uncopied (``direct``)
 _ALIGN = 16  # payload offsets: a multiple of every dtype's size, so views need no copy
 _MAGIC = 0x5E9419E
 _FIXED = 9  # magic, kind, micro-batch, key, count, atomic, reshaped, origin, number of tensors
@@ -134,9 +134,10 @@ def direct(spec: Spec, least: Optional[int] = DIRECT_BYTES) -> bool:
     header, as the tensor itself: one tensor of at least ``least`` bytes (None: never).
 
     Sender and receiver decide from the same posted spec, so they agree without a word.
-    The second point-to-point operation (~20-50 µs of host time a side) pays where the
-    copy it saves on each side (into the buffer, and a view out of it) costs more: large
-    payloads, whose copy also evicts what the next layer wanted in cache.
+    The second point-to-point operation pays where the copy it saves costs more: on this
+    project's 2-core CPU machine the sender's CPU per message is level at 1 MiB and a
+    quarter to a third lower at 4-8 MiB, but higher below 1 MiB (``benchmarks/dist_direct.py``,
+    docs/benchmarks.md "Session 10: hop3"). The receiver gains little either way.
     """
     return least is not None and len(spec) == 1 and nbytes(spec) >= least
 
