@@ -22,10 +22,7 @@ the message is needed instead of as soon as the previous one from that peer was 
 each stage's last backward whole, as before session 9 (its plan built without
 ``plan.split_tails``): what splitting it buys; ``seqpipe <clock> packed`` copies every
 payload into its message's one buffer, as before session 10 (``Transport.direct_bytes =
-None``): what sending a large tensor apart from its header, uncopied, buys; ``seqpipe
-<clock> eager`` posts a peer's next receive as soon as a message from it arrived, as before
-session 10, also where this rank's next action does not need it: what putting that post off
-to the end of the action buys.
+None``): what sending a large tensor apart from its header, uncopied, buys.
 
 ``--timeline NAME ...`` prints one step's events per rank for the named variants.
 
@@ -71,7 +68,7 @@ import seqpipe.distributed.plan as seq_plan
 from seqpipe.distributed import DistributedPipe
 from seqpipe.distributed.transport import HEADER_SLOTS, Transport
 
-WHAT_IFS = ("lazy", "unsplit", "packed", "eager")
+WHAT_IFS = ("lazy", "unsplit", "packed")
 
 
 # -- a self-time profiler --------------------------------------------------------------
@@ -156,8 +153,6 @@ def what_if_steps(variants: Variants, rank: int, model: torch.nn.Sequential, chu
                 pipe._transport.ahead = False
             elif kind == "packed":  # every payload copied into its message's one buffer
                 pipe._transport.direct_bytes = None
-            elif kind == "eager":  # each next receive posted on arrival, as before session 10
-                eager_posts(pipe._transport)
             else:  # the plan of a call of ``chunks`` made (and kept) without the split
                 with mock.patch.object(seq_plan, "split_tails",
                                        lambda actions, placement: [list(a) for a in actions]):
@@ -173,19 +168,6 @@ def what_if_steps(variants: Variants, rank: int, model: torch.nn.Sequential, chu
                 pipe.train_step(x, y, loss_fn)
             steps[f"seqpipe {clock} {kind}"] = step
     return steps
-
-
-def eager_posts(transport: Transport) -> None:
-    """Make ``transport`` post a peer's next receive as soon as a message from it arrived,
-    even where the next action does not need it (this instance only)."""
-    inner = transport.recv
-
-    def recv(stage: int) -> Any:
-        message = inner(stage)
-        if transport._due.pop(stage, False) is None:  # put off to the action's end: post now
-            transport._post(stage)
-        return message
-    transport.recv = recv  # type: ignore[method-assign]
 
 
 # -- the ranks -------------------------------------------------------------------------
@@ -356,9 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="variants to print one step's timeline of, e.g. 'seqpipe 1f1b'")
     parser.add_argument("--what-if", nargs="*", default=["lazy"], choices=WHAT_IFS,
                         help="what-if variants: 'lazy' (receives posted only when needed), "
-                             "'unsplit' (each stage's last backward whole), 'packed' (no "
-                             "direct payloads), 'eager' (every next receive posted on "
-                             "arrival); none: --what-if")
+                             "'unsplit' (each stage's last backward whole); none: --what-if")
     args = parser.parse_args(argv)
     print(f"# {machine_line()} (at start)", file=sys.stderr, flush=True)
     answers = dict(spawn(breakdown_rank, args))
