@@ -291,11 +291,8 @@ class Transport:
         if planned is not None:
             self._seen_in.saw(stage, planned, spec)
             self._release(stage, planned.sent_at)
-        if self.ahead and self._incoming[stage]:  # the next one from ``stage``: posted
-            if planned is None or self._incoming[stage][0].taken_at <= planned.taken_at + 1:
-                self._post(stage)  # now, needed next: its data can flow while this rank computes
-            else:  # when this action ends (or this rank waits): not before the next action
-                self._due[stage] = None
+        if self.ahead and self._incoming[stage]:
+            self._post(stage)  # now: its data can flow while this rank computes
         tensors = tuple(None if s is None else payload.pop(0) for s in specs)
         flags = tuple(bool(s and s[1]) for s in specs)
         return Message(kind, microbatch, key, tensors, flags, count, atomic, origin, values)
