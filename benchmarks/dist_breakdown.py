@@ -338,7 +338,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="variants to print one step's timeline of, e.g. 'seqpipe 1f1b'")
     parser.add_argument("--what-if", nargs="*", default=["lazy"], choices=WHAT_IFS,
                         help="what-if variants: 'lazy' (receives posted only when needed), "
-                             "'unsplit' (each stage's last backward whole); none: --what-if")
+                             "'unsplit' (each stage's last backward whole), 'packed' (no "
+                             "direct payloads); none: --what-if")
     args = parser.parse_args(argv)
     print(f"# {machine_line()} (at start)", file=sys.stderr, flush=True)
     answers = dict(spawn(breakdown_rank, args))
