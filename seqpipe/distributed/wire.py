@@ -135,8 +135,8 @@ def direct(spec: Spec, least: Optional[int] = DIRECT_BYTES) -> bool:
 
     Sender and receiver decide from the same posted spec, so they agree without a word.
     The second point-to-point operation pays where the copy it saves costs more: on this
-    project's 2-core CPU machine the sender's CPU per message is level at 1 MiB and a
-    quarter to a third lower at 4-8 MiB, but higher below 1 MiB (``benchmarks/dist_direct.py``,
+    project's 2-core CPU machine the sender's CPU per message is level at 1 MiB, a quarter
+    to three fifths lower at 4-8 MiB, and no lower below 1 MiB (``benchmarks/dist_direct.py``,
     docs/benchmarks.md "Session 10: hop3"). The receiver gains little either way.
     """
     return least is not None and len(spec) == 1 and nbytes(spec) >= least
