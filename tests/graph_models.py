@@ -108,6 +108,33 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class Routed(nn.Module):
+    """A block whose branch depends on tensor values: no trace can enter it (opaque)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        if h.sum() > 0:
+            return torch.tanh(self.up(h)) * mask
+        return self.down(h)
+
+
+class RoutedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(CLASSES, WIDTH)
+        self.blocks = nn.ModuleList([Routed(), Routed()])
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h, mask[:, None])
+        return self.head(h)
+
+
 def gpt2(layers: int = 2) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
@@ -119,6 +146,10 @@ def gpt2(layers: int = 2) -> nn.Module:
 
 
 VOCAB, LENGTH, LABELS = 64, 8, 3
+MELS, FRAMES = 8, 16  # Whisper: mel bins, input frames (twice its positions)
+
+
+IMAGES = ("vit", "convnext", "swin", "deit")
 
 
 def zoo_model(name: str) -> nn.Module:
@@ -166,12 +197,53 @@ def zoo_model(name: str) -> nn.Module:
             encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
             decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
             attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1, **ids))
+    if name == "gemma":
+        return hf.GemmaForCausalLM(hf.GemmaConfig(**decoder, head_dim=8))
+    if name == "phi3":
+        return hf.Phi3ForCausalLM(hf.Phi3Config(**decoder, resid_pdrop=0.0, embd_pdrop=0.0))
+    if name == "falcon":
+        return hf.FalconForCausalLM(hf.FalconConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            hidden_dropout=0.0, attention_dropout=0.0, **ids))
+    if name == "gptj":
+        return hf.GPTJForCausalLM(hf.GPTJConfig(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids))
+    if name == "roberta":
+        return hf.RobertaForSequenceClassification(hf.RobertaConfig(
+            vocab_size=VOCAB, max_position_embeddings=40, type_vocab_size=1, num_labels=LABELS,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, **bert))
+    if name == "distilbert":
+        return hf.DistilBertForSequenceClassification(hf.DistilBertConfig(
+            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+            max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+            seq_classif_dropout=0.0, num_labels=LABELS, pad_token_id=0))
+    if name == "whisper":
+        return hf.WhisperForConditionalGeneration(hf.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=MELS, d_model=32, encoder_layers=2,
+            decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=FRAMES // 2,
+            max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, decoder_start_token_id=1, **ids))
+    if name == "convnext":
+        return hf.ConvNextForImageClassification(hf.ConvNextConfig(
+            num_channels=3, patch_size=2, hidden_sizes=[8, 16], depths=[1, 1],
+            num_labels=LABELS, drop_path_rate=0.0))
+    if name == "swin":
+        return hf.SwinForImageClassification(hf.SwinConfig(
+            image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[1, 1],
+            num_heads=[2, 2], window_size=2, num_labels=LABELS, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+    if name == "deit":
+        return hf.DeiTForImageClassification(hf.DeiTConfig(
+            image_size=8, patch_size=4, num_channels=3, num_labels=LABELS, **bert))
     assert name == "vit", name
     return hf.ViTForImageClassification(hf.ViTConfig(
         image_size=8, patch_size=4, num_channels=3, num_labels=LABELS, **bert))
 
 
-ZOO = ("llama", "mistral", "qwen2", "bert", "neox", "opt", "t5", "bart", "vit")
+ZOO = ("llama", "mistral", "qwen2", "bert", "neox", "opt", "t5", "bart", "vit", "gemma", "phi3",
+       "falcon", "gptj", "roberta", "distilbert", "whisper", "convnext", "swin", "deit")
 
 
 def build(name: str) -> nn.Module:
@@ -182,7 +254,10 @@ def build(name: str) -> nn.Module:
         return zoo_model(name).double()
     if name == "mixtral":  # bfloat16: torch's grouped_mm traces only that (see docs/models.md)
         return zoo_model(name).to(torch.bfloat16)
-    model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2}[name]()
+    if name == "mixtral-fp32":  # its layers cannot be traced: opaque units
+        return zoo_model("mixtral").float()
+    model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2,
+             "routed": RoutedNet}[name]()
     return model.double() if name != "gpt2" else model
 
 
@@ -190,13 +265,19 @@ def _zoo_example(name: str, batch: int, gen: torch.Generator
                  ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
     """The documented call of each ``ZOO`` model: a padded attention mask, ``use_cache=False``
     where the model has a cache, ``token_type_ids`` for BERT, decoder ids for T5/BART."""
-    if name == "vit":
+    if name in IMAGES:
         images = torch.randn(batch, 3, 8, 8, generator=gen, dtype=torch.double)
         return (images,), {}, torch.randint(LABELS, (batch,), generator=gen)
     ids = torch.randint(2, VOCAB, (batch, LENGTH), generator=gen)
     mask = torch.ones(batch, LENGTH, dtype=torch.long)
     mask[0, :3] = 0  # left padding
     target = torch.randint(VOCAB, (batch, LENGTH), generator=gen)
+    if name == "whisper":
+        features = torch.randn(batch, MELS, FRAMES, generator=gen, dtype=torch.double)
+        dec = torch.randint(2, VOCAB, (batch, LENGTH), generator=gen)
+        return (features,), {"decoder_input_ids": dec, "use_cache": False}, target
+    if name in ("roberta", "distilbert"):
+        return (ids,), {"attention_mask": mask}, torch.randint(LABELS, (batch,), generator=gen)
     if name == "bert":
         types = torch.zeros(batch, LENGTH, dtype=torch.long)
         types[:, LENGTH // 2:] = 1
@@ -212,12 +293,15 @@ def example(name: str, batch: int = 6, step: int = 0
             ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
     """``(args, kwargs, target)`` of one batch for ``name``."""
     gen = torch.Generator().manual_seed(100 + step)
-    if name in ZOO or name == "mixtral":
+    if name in ZOO or name.startswith("mixtral"):
         return _zoo_example(name, batch, gen)
-    if name == "mlp":
+    if name in ("mlp", "routed"):
         x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
         mask = (torch.rand(batch, generator=gen) > 0.2).double()
-        return (x,), {"mask": mask, "scale": 2.0}, torch.randint(CLASSES, (batch,), generator=gen)
+        target = torch.randint(CLASSES, (batch,), generator=gen)
+        if name == "routed":
+            return (x, mask), {}, target
+        return (x,), {"mask": mask, "scale": 2.0}, target
     if name in ("unet", "resnet"):
         x = torch.randn(batch, 3, 8, 8, generator=gen, dtype=torch.double)
         if name == "unet":
@@ -236,9 +320,9 @@ def loss_of(name: str) -> Any:
         return lambda out, y: F.cross_entropy(out[0], y)
     if name == "unet":
         return F.mse_loss
-    if name == "resnet":
+    if name in ("resnet", "routed"):
         return F.cross_entropy
-    if name in ("t5", "bart"):  # (logits, encoder_last_hidden_state)
+    if name in ("t5", "bart", "whisper"):  # (logits, encoder_last_hidden_state)
         return lambda out, y: _token_loss(out[0], y)
     return _token_loss
 
@@ -252,6 +336,6 @@ def model_loss(name: str, output: Any, target: Tensor) -> Tensor:
     """The same loss on the model's own output."""
     if name == "mlp":
         return F.cross_entropy(output["logits"], target)
-    if name in ("gpt2", "mixtral") or name in ZOO:
+    if name == "gpt2" or name.startswith("mixtral") or name in ZOO:
         return _token_loss(output.logits, target)
     return loss_of(name)(output, target)

@@ -104,3 +104,22 @@ def test_a_mixture_of_experts_in_bfloat16() -> None:
     bf16 = dict(atol=2e-3, rtol=1.6e-2)
     train_both("mixtral", step, dict(model.named_parameters()), plain, 2, close(bf16),
                batches=(6,))
+
+
+def test_a_mixture_of_experts_in_float32_through_opaque_layers() -> None:
+    # in float32 torch cannot trace grouped_mm (its fake kernel takes bfloat16 only): the
+    # decoder layers become opaque units, called as Mixtral's own layers and traced as one
+    # call each; two steps, loss and every gradient and weight as the plain model's
+    model, plain = build("mixtral-fp32"), build("mixtral-fp32")
+    seq = to_sequential(model, *example("mixtral-fp32")[:2])
+    assert [(layer.unit, layer.opaque) for layer in seq] == [
+        ("model.embed_tokens", False), ("model.rotary_emb", False), ("model.layers.0", True),
+        ("model.layers.1", True), ("model.norm", False), ("lm_head", False)]
+    pipe = Pipe(seq, chunks=2, balance=[3, 3], devices=["cpu", "cpu"])
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                               loss_of("mixtral-fp32"), schedule="1f1b")
+
+    train_both("mixtral-fp32", step, dict(model.named_parameters()), plain, 2,
+               close(dict(atol=2e-5, rtol=1e-4)), batches=(6, 5))

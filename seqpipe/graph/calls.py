@@ -104,6 +104,8 @@ def call_order(model: nn.Module, units: Dict[str, nn.Module], args: Tuple[Any, .
         with module_stack(model) as stack:
             try:
                 dry_run(model, args, kwargs)
+            except ConversionError:  # an opaque unit's own refusal: already explained
+                raise
             except Exception as exc:  # noqa: BLE001 - re-raised naming the module and line
                 raise explain(exc, list(stack), units) from exc
     finally:

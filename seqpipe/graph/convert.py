@@ -19,8 +19,9 @@ from torch import nn
 from seqpipe.distributed.ties import canonical_names
 from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
-from seqpipe.graph.errors import ConversionError
+from seqpipe.graph.errors import ConversionError, UntracedUnit, quiet_kernel_log
 from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS
+from seqpipe.graph.opaque import Opaque, stand_ins
 from seqpipe.graph.origin import Origin
 from seqpipe.graph.trace import trace
 from seqpipe.graph.unit import build_unit
@@ -96,14 +97,26 @@ def to_sequential(model: nn.Module, example_args: Any = (),
                                             (args, kwargs))
         _warn_unloadable(model)
     found = check_units(model, units)
-    order = call_order(model, found, args, kwargs, explicit=units is not None)
-    traced = trace(model, args, kwargs, found, order, dynamic_shapes)
+    opaque = Opaque()
+    while True:  # a unit the trace cannot enter becomes opaque, and the trace starts again
+        try:
+            with stand_ins(found, opaque), quiet_kernel_log():
+                order = call_order(model, found, args, kwargs, explicit=units is not None)
+                traced = trace(model, args, kwargs, found, order, dynamic_shapes)
+            break
+        except UntracedUnit as exc:
+            if exc.unit in opaque:
+                raise
+            kind = type(found[exc.unit])  # its siblings run the same code: opaque at once
+            for name, module in found.items():
+                if type(module) is kind and name not in opaque:
+                    opaque.add(name, module, exc.reason)
     _check_glue(traced.graph_module, model, set(order))
     plan = plan_layers(traced.graph_module.graph, traced.units)
     ns = Namespace()
     persistent = set(model.state_dict().keys())
     layers = [build_unit(i, layer, traced.graph_module, plan.free, traced.device, ns,
-                         persistent) for i, layer in enumerate(plan.layers)]
+                         persistent, layer.unit in opaque) for i, layer in enumerate(plan.layers)]
     seq = ConvertedSequential(*layers)
     flat = pytree.tree_leaves((args, kwargs))
     seq.origin = Origin(type(model).__name__, traced.in_spec, traced.out_spec,

@@ -68,6 +68,8 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
         try:
             program = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes,
                              preserve_module_call_signature=tuple(order))
+        except ConversionError:  # an opaque unit's own refusal: already explained
+            raise
         except Exception as exc:  # noqa: BLE001 - re-raised as a ConversionError naming the place
             raise explain(exc, list(stack), units) from exc
     signatures = {e.fqn: e.signature for e in program.module_call_graph if e.signature}
