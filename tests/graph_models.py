@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -106,6 +107,53 @@ class ResNet(nn.Module):
         x = self.relu(self.bn1(self.conv1(x)))
         x = self.layer2(self.layer1(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+@dataclass(frozen=True)
+class Flags:
+    """A configuration the forward branches on in Python (never on data)."""
+
+    pre_norm: bool = True  # pre-norm blocks and a final norm, or post-norm blocks
+    gated: bool = True  # a sigmoid gate in every block
+    skip_every: int = 2  # the stem's output added after every n-th block (0: never)
+    aux: bool = True  # an extra head on the stem's output
+
+
+class FlagBlock(nn.Module):
+    def __init__(self, flags: Flags) -> None:
+        super().__init__()
+        self.flags = flags
+        self.norm, self.fc = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.gate = nn.Linear(WIDTH, WIDTH) if flags.gated else None
+
+    def forward(self, h: Tensor) -> Tensor:
+        y = self.fc(self.norm(h) if self.flags.pre_norm else h)
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(h))
+        h = h + torch.relu(y)
+        return h if self.flags.pre_norm else self.norm(h)
+
+
+class FlagNet(nn.Module):
+    def __init__(self, flags: Flags) -> None:
+        super().__init__()
+        self.flags = flags
+        self.embed = nn.Linear(CLASSES, WIDTH)
+        self.blocks = nn.ModuleList(FlagBlock(flags) for _ in range(3))
+        self.norm = nn.LayerNorm(WIDTH) if flags.pre_norm else None
+        self.head = nn.Linear(WIDTH, CLASSES)
+        self.aux = nn.Linear(WIDTH, CLASSES) if flags.aux else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = stem = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if self.flags.skip_every and i % self.flags.skip_every == 0:
+                h = h + stem
+        if self.flags.pre_norm:
+            h = self.norm(h)
+        out = self.head(h)
+        return out + self.aux(stem) if self.aux is not None else out
 
 
 class Routed(nn.Module):
@@ -227,7 +275,7 @@ def zoo_model(name: str) -> nn.Module:
             activation_dropout=0.0, decoder_start_token_id=1, **ids))
     if name == "convnext":
         return hf.ConvNextForImageClassification(hf.ConvNextConfig(
-            num_channels=3, patch_size=2, hidden_sizes=[8, 16], depths=[1, 1],
+            num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
             num_labels=LABELS, drop_path_rate=0.0))
     if name == "swin":
         return hf.SwinForImageClassification(hf.SwinConfig(
@@ -256,6 +304,9 @@ def build(name: str) -> nn.Module:
         return zoo_model(name).to(torch.bfloat16)
     if name == "mixtral-fp32":  # its layers cannot be traced: opaque units
         return zoo_model("mixtral").float()
+    if name.startswith("flags"):  # flags: the defaults; flags-post: every flag the other way
+        post = Flags(pre_norm=False, gated=False, skip_every=0, aux=False)
+        return FlagNet(post if name == "flags-post" else Flags()).double()
     model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2,
              "routed": RoutedNet}[name]()
     return model.double() if name != "gpt2" else model
@@ -295,6 +346,9 @@ def example(name: str, batch: int = 6, step: int = 0
     gen = torch.Generator().manual_seed(100 + step)
     if name in ZOO or name.startswith("mixtral"):
         return _zoo_example(name, batch, gen)
+    if name.startswith("flags"):
+        x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
+        return (x,), {}, torch.randint(CLASSES, (batch,), generator=gen)
     if name in ("mlp", "routed"):
         x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
         mask = (torch.rand(batch, generator=gen) > 0.2).double()
@@ -320,7 +374,7 @@ def loss_of(name: str) -> Any:
         return lambda out, y: F.cross_entropy(out[0], y)
     if name == "unet":
         return F.mse_loss
-    if name in ("resnet", "routed"):
+    if name in ("resnet", "routed") or name.startswith("flags"):
         return F.cross_entropy
     if name in ("t5", "bart", "whisper"):  # (logits, encoder_last_hidden_state)
         return lambda out, y: _token_loss(out[0], y)

@@ -23,12 +23,19 @@ TOL = dict(atol=1e-10, rtol=1e-8)
 FLOAT_TOL = dict(atol=2e-5, rtol=1e-4)  # GPT-2 runs in float32
 
 
-@pytest.mark.parametrize("name", ["mlp", "unet", "resnet", "gpt2"])
+# units of the models whose forward branches on a config flag (graph_models.Flags)
+FLAG_UNITS = {"flags": ["embed", "blocks.0", "blocks.1", "blocks.2", "norm", "head", "aux"],
+              "flags-post": ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]}
+
+
+@pytest.mark.parametrize("name", ["mlp", "unet", "resnet", "gpt2", "flags", "flags-post"])
 def test_converted_model_trains_like_the_plain_one(name: str) -> None:
     model, plain = build(name), build(name)
     args, kwargs, _ = example(name)
     seq = seqpipe.to_sequential(model, args, kwargs)
-    assert isinstance(seq, nn.Sequential) and len(seq) >= 6
+    assert isinstance(seq, nn.Sequential) and len(seq) >= 5
+    if name in FLAG_UNITS:  # the branches the flags choose, and only those, are traced
+        assert [layer.unit for layer in seq] == FLAG_UNITS[name]
     # the layers hold the model's own parameter objects, under the model's own keys
     own = {id(p) for p in model.parameters()}
     assert {id(p) for p in seq.parameters()} == own
