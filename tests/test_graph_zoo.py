@@ -14,6 +14,7 @@ import torch
 from graph_check import close, train_both
 from graph_models import ZOO, build, example, loss_of
 from torch import Tensor
+from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 from seqpipe import Pipe
@@ -112,9 +113,17 @@ def test_a_mixture_of_experts_in_bfloat16() -> None:
 def test_a_mixture_of_experts_in_float32_through_opaque_layers() -> None:
     # in float32 torch cannot trace grouped_mm (its fake kernel takes bfloat16 only): the
     # decoder layers become opaque units, called as Mixtral's own layers and traced as one
-    # call each; two steps, loss and every gradient and weight as the plain model's
+    # call each, the batch and (declared dynamic) the length following their inputs'; two
+    # steps, loss and every gradient and weight as the plain model's
     model, plain = build("mixtral-fp32"), build("mixtral-fp32")
-    seq = to_sequential(model, *example("mixtral-fp32")[:2])
+    both = {0: Dim.AUTO, 1: Dim.AUTO}
+    seq = to_sequential(model, *example("mixtral-fp32")[:2], dynamic_shapes={
+        "input_ids": both, "attention_mask": both, "use_cache": None})
+    ids = torch.randint(2, 64, (3, 5))  # another batch and length
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    torch.testing.assert_close(seq(ids, attention_mask=mask, use_cache=False).logits,
+                               plain(ids, attention_mask=mask, use_cache=False).logits)
     assert [(layer.unit, layer.opaque) for layer in seq] == [
         ("model.embed_tokens", False), ("model.rotary_emb", False), ("model.layers.0", True),
         ("model.layers.1", True), ("model.norm", False), ("lm_head", False)]

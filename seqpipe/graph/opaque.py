@@ -22,12 +22,13 @@ their inputs' sizes), a module that fails on zeros, one built on ``meta`` (it ca
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.modules import module as module_mod
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import _len_torch_function_stack, _pop_mode, _push_mode
 from torch.utils._python_dispatch import _disable_current_modes
@@ -77,8 +78,25 @@ def _stand_in(name: str, module: nn.Module, forward: Callable[..., Any],
     def stand_in(*args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
         base = {s: hint for x in flat for s, hint in _symbols(x).items()}
-        probes = [base] + [{**base, s: 2 * hint} for s, hint in base.items()]
-        runs = [_probe(name, module, forward, opaque, flat, spec, at) for at in probes]
+
+        def run(at: Dict[Any, int]) -> List[Any]:
+            return _probe(name, module, forward, opaque, flat, spec, at)
+
+        probes, runs = [base], [run(base)]
+        pending = list(base)
+        while pending:  # each symbolic size doubled, alone if the unit allows
+            group = [pending.pop(0)]
+            try:
+                runs.append(run({**base, group[0]: 2 * base[group[0]]}))
+            except ConversionError:
+                # sizes the unit needs equal (a query and a key length, two symbols to
+                # the trace): doubled together with the others of the same example size
+                group += [s for s in pending if base[s] == base[group[0]]]
+                if len(group) == 1:
+                    raise
+                pending = [s for s in pending if s not in group]
+                runs.append(run({**base, **{s: 2 * base[s] for s in group}}))
+            probes.append({**base, **{s: 2 * base[s] for s in group}})
         return _fake_outputs(name, flat, probes, runs)
     return stand_in
 
@@ -102,15 +120,31 @@ def _value(size: Any, at: Dict[Any, int]) -> int:
     return int(size)
 
 
+_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+          "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")
+
+
 @contextlib.contextmanager
-def _eager() -> Iterator[None]:
-    """Real computation inside a trace: no torch function or dispatch mode (fake tensors,
-    the tracer) sees it, no gradient is recorded, and the RNG is left as it was."""
+def _eager(device: Optional[torch.device]) -> Iterator[None]:
+    """Real computation inside a trace that the trace never sees: no torch function or
+    dispatch mode (fake tensors, the tracer), no global module hook (the dry run's call
+    counts, ``module_stack``) and no patched ``nn.Module.__call__`` (export's module
+    stack, which a probe that fails half-way would leave unbalanced) sees it; no gradient
+    is recorded, and the RNG is left as it was."""
     modes = [_pop_mode() for _ in range(_len_torch_function_stack())]
+    hooks = {name: dict(getattr(module_mod, name)) for name in _HOOKS}
+    call = nn.Module.__call__
     try:
-        with _disable_current_modes(), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for name in _HOOKS:
+            getattr(module_mod, name).clear()
+        nn.Module.__call__ = nn.Module._wrapped_call_impl  # type: ignore[method-assign]
+        cuda = [device] if device is not None and device.type == "cuda" else []
+        with _disable_current_modes(), torch.no_grad(), torch.random.fork_rng(devices=cuda):
             yield
     finally:
+        nn.Module.__call__ = call  # type: ignore[method-assign]
+        for name, saved in hooks.items():
+            getattr(module_mod, name).update(saved)
         for mode in reversed(modes):
             _push_mode(mode)
 
@@ -127,7 +161,7 @@ def _probe(name: str, module: nn.Module, forward: Callable[..., Any], opaque: Op
             f"tensors are real is moved, never re-initialised), or write the nn.Sequential "
             f"by hand")
     device = next(iter(state.values())).device if state else None
-    with _eager():
+    with _eager(device):
         real = [torch.zeros([_value(s, at) for s in x.shape], dtype=x.dtype,
                             device=device or x.device)
                 if isinstance(x, torch.Tensor) else
