@@ -78,6 +78,11 @@ def _stand_in(name: str, module: nn.Module, forward: Callable[..., Any],
     def stand_in(*args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
         base = {s: hint for x in flat for s, hint in _symbols(x).items()}
+        if None in base.values():
+            raise ConversionError(
+                f"unit {name!r} cannot be traced ({opaque.reasons[name]}), and an input size "
+                f"of it depends on tensor values, so its output sizes cannot be learned; "
+                f"choose other units (units=[...]) or write the nn.Sequential by hand")
 
         def run(at: Dict[Any, int]) -> List[Any]:
             return _probe(name, module, forward, opaque, flat, spec, at)
@@ -107,10 +112,16 @@ def _sizes(value: Any) -> Sequence[Any]:
     return (value,) if isinstance(value, torch.SymInt) else ()
 
 
-def _symbols(value: Any) -> Dict[Any, int]:
-    """The symbols in ``value``'s sizes, each with its value in the example (its hint)."""
-    return {s: int(size.node.shape_env.backed_var_to_val[s]) for size in _sizes(value)
-            if isinstance(size, torch.SymInt) for s in size.node.expr.free_symbols}
+def _symbols(value: Any) -> Dict[Any, Optional[int]]:
+    """The symbols in ``value``'s sizes, each with its value in the example (its hint; None
+    for a size that depends on tensor values)."""
+    found: Dict[Any, Optional[int]] = {}
+    for size in _sizes(value):
+        if isinstance(size, torch.SymInt):
+            hints = size.node.shape_env.backed_var_to_val
+            for s in size.node.expr.free_symbols:
+                found[s] = int(hints[s]) if s in hints else None
+    return found
 
 
 def _value(size: Any, at: Dict[Any, int]) -> int:
