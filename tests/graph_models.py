@@ -8,13 +8,19 @@
   wheel does not load under torch+cpu);
 * ``gpt2``: Hugging Face GPT-2 from a tiny config (tied ``wte``/``lm_head``, attention
   mask as a keyword), dropout off so losses compare exactly;
+* ``FlagNet`` (``flags``, ``flags-post``): a forward that branches in Python on its
+  configuration (``Flags``), never on data;
+* ``RoutedNet`` (``routed``): blocks that branch on tensor values, which no trace can
+  enter (opaque units);
 * ``ZOO``: the other architectures users bring, each from a tiny Hugging Face config (2
   layers, hidden 32, sequence 8, no weights downloaded), dropout off, in double precision:
   Llama (rotary, RMSNorm, GQA, tied head), Mistral (sliding window), Qwen2 (sliding window
   on one layer of two), BERT (``token_type_ids``, classification head), GPT-NeoX (partial
-  rotary, parallel residual), OPT, T5 and BART (encoder-decoder) and ViT (images); and
-  ``mixtral`` (mixture of experts) in bfloat16. The table of docs/models.md ("Models
-  tested") lists them.
+  rotary, parallel residual), OPT, T5 and BART (encoder-decoder), ViT (images), Gemma,
+  Phi-3, Falcon, GPT-J, RoBERTa and DistilBERT (classification heads), Whisper (audio
+  features into an encoder-decoder), ConvNeXt, Swin and DeiT (images); and ``mixtral``
+  (mixture of experts) in bfloat16 and, as ``mixtral-fp32``, in float32 (its layers
+  opaque). The table of docs/models.md ("Models tested") lists them.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 The steps, each in its own module: choose the units (``units``), run the model once to
 learn which units it calls and in what order (``calls``), trace it with the units kept
-as calls of the user's objects (``trace``), refuse glue that would silently change
+as calls of the user's objects (``trace``; a unit the trace cannot enter is made opaque and
+the two steps run again: ``opaque``), refuse glue that would silently change
 behaviour, cut the graph at the units and route the values between them (``cut``), and
 build one layer per unit (``unit``). See ``docs/models.md``.
 """
@@ -76,6 +77,11 @@ def to_sequential(model: nn.Module, example_args: Any = (),
         A ``ConvertedSequential``. Feed a pipeline ``seq.origin.pipeline_input(*args,
         **kwargs)``; read its output with ``seq.origin.rebuild(out)`` (``Pipe.forward`` and
         ``DistributedPipe.forward`` already return the model's structure).
+
+    A unit whose code the trace cannot enter (an op without a fake kernel for the dtype,
+    a branch on tensor values) is made opaque, with the units of its class: traced as one
+    call of the user's module, its output sizes learned by running it on zeros
+    (``seqpipe.graph.opaque``); its layer's ``opaque`` is True.
 
     Raises:
         ConversionError: a part of the model cannot be traced or cut; the message names

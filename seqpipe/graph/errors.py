@@ -2,9 +2,10 @@
 
 Every refusal names what is wrong (the module, the unit, the operation, the line of the
 user's code) and says what to do: make the offending module a unit (``units=[...]``),
-change the example inputs, or write the ``nn.Sequential`` by hand. Code that cannot be
-traced is the exception: the whole forward is traced, units included, so no choice of
-units avoids it. A conversion never splits a model silently wrong.
+change the example inputs, or write the ``nn.Sequential`` by hand. Code the trace cannot
+follow inside a unit is no refusal: that unit becomes opaque (``UntracedUnit`` tells
+``to_sequential`` which, ``seqpipe.graph.opaque``). A conversion never splits a model
+silently wrong.
 """
 from __future__ import annotations
 
@@ -83,10 +84,12 @@ def explain(exc: Exception, stack: List[str], units: Collection[str]) -> Convers
         kind = "data-dependent control flow (a branch or size that depends on tensor values)"
     else:
         kind = f"an operation that cannot be traced ({type(exc).__name__}: {text})"
-    message = f"cannot trace {where}{at}: {kind}. Mend: {TRACE_MEND}"
-    if in_unit is not None:
-        return UntracedUnit(message, in_unit, f"{kind}, in {where}{at}")
-    return ConversionError(message)
+    if in_unit is not None:  # made opaque by to_sequential; seen only if that fails too
+        return UntracedUnit(
+            f"cannot trace {where}{at}, inside unit {in_unit!r}, even as an opaque call: "
+            f"{kind}. Choose other units (units=[...]) or write the nn.Sequential by hand",
+            in_unit, f"{kind}, in {where}{at}")
+    return ConversionError(f"cannot trace {where}{at}: {kind}. Mend: {TRACE_MEND}")
 
 
 @contextlib.contextmanager

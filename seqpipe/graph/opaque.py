@@ -218,14 +218,17 @@ def _fake_outputs(name: str, flat: List[Any], probes: List[Dict[Any, int]],
         shape: List[Any] = []
         for dim in range(first.dim()):
             seen = [run[index].shape[dim] for run in runs]
+            if len(set(seen)) == 1:  # no probe changed it: a constant
+                shape.append(seen[0])
+                continue
             match = next((size for size, values in known if values == seen), None)
-            if match is None and len(set(seen)) > 1:
+            if match is None:
                 raise ConversionError(
                     f"output {index - 1} of unit {name!r} (which cannot be traced: it runs "
                     f"as an opaque call) has a size in dim {dim} ({seen[0]}) that is no size "
                     f"of its inputs; an opaque unit's output sizes must be constants or "
                     f"sizes of its inputs. Choose units whose outputs keep their inputs' "
                     f"sizes (units=[...]), or write the nn.Sequential by hand")
-            shape.append(match if match is not None else seen[0])
+            shape.append(match)  # the first input size that agrees at every probe
         leaves.append(torch.empty(shape, dtype=first.dtype, device=device or first.device))
     return pytree.tree_unflatten(leaves, out_spec)
