@@ -10,6 +10,8 @@
   mask as a keyword), dropout off so losses compare exactly;
 * ``FlagNet`` (``flags``, ``flags-post``): a forward that branches in Python on its
   configuration (``Flags``), never on data;
+* ``TableNet`` (``tables``): a module of constant tables (non-persistent buffers) called
+  once per kind, and blocks called with a string, as Gemma 3's rotary embedding;
 * ``RoutedNet`` (``routed``): blocks that branch on tensor values, which no trace can
   enter (opaque units);
 * ``ZOO``: the other architectures users bring, each from a tiny Hugging Face config (2
@@ -17,8 +19,9 @@
   Llama (rotary, RMSNorm, GQA, tied head), Mistral (sliding window), Qwen2 (sliding window
   on one layer of two), BERT (``token_type_ids``, classification head), GPT-NeoX (partial
   rotary, parallel residual), OPT, T5 and BART (encoder-decoder), ViT (images), Gemma,
-  Phi-3, Falcon, GPT-J, RoBERTa and DistilBERT (classification heads), Whisper (audio
-  features into an encoder-decoder), ConvNeXt, Swin and DeiT (images); and ``mixtral``
+  Gemma 3 (sliding and full attention layers), Phi-3, Falcon, GPT-J, RoBERTa and
+  DistilBERT (classification heads), Whisper (audio features into an encoder-decoder),
+  ConvNeXt, Swin and DeiT (images); and ``mixtral``
   (mixture of experts) in bfloat16 and, as ``mixtral-fp32``, in float32 (its layers
   opaque). The table of docs/models.md ("Models tested") lists them.
 """
@@ -162,6 +165,47 @@ class FlagNet(nn.Module):
         return out + self.aux(stem) if self.aux is not None else out
 
 
+class Tables(nn.Module):
+    """Constant tables (buffers kept out of the state dict) looked up by a string: called
+    once per kind, like Gemma 3's rotary embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("even", torch.linspace(0.5, 1.5, WIDTH), persistent=False)
+        self.register_buffer("odd", torch.linspace(-1.0, 1.0, WIDTH), persistent=False)
+
+    def forward(self, h: Tensor, kind: str) -> Tensor:
+        return torch.sigmoid(h) * getattr(self, kind)
+
+
+class Keyed(nn.Module):
+    """A block called with a string: export's record of a call takes no strings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor, scale: Tensor, kind: str) -> Tensor:
+        out = self.fc(h * scale)
+        return h + (torch.tanh(out) if kind == "even" else torch.relu(out))
+
+
+class TableNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.tables = nn.Linear(CLASSES, WIDTH), Tables()
+        self.blocks = nn.ModuleList([Keyed(), Keyed()])
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.stem(x)
+        scales = {kind: self.tables(h, kind) for kind in ("even", "odd")}
+        for i, block in enumerate(self.blocks):
+            kind = ("even", "odd")[i % 2]
+            h = block(h, scales[kind], kind)
+        return self.head(h)
+
+
 class Routed(nn.Module):
     """A block whose branch depends on tensor values: no trace can enter it (opaque)."""
 
@@ -253,6 +297,10 @@ def zoo_model(name: str) -> nn.Module:
             attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1, **ids))
     if name == "gemma":
         return hf.GemmaForCausalLM(hf.GemmaConfig(**decoder, head_dim=8))
+    if name == "gemma3":  # one rotary embedding called per attention type
+        return hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(
+            **decoder, head_dim=8, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"]))
     if name == "phi3":
         return hf.Phi3ForCausalLM(hf.Phi3Config(**decoder, resid_pdrop=0.0, embd_pdrop=0.0))
     if name == "falcon":
@@ -297,7 +345,7 @@ def zoo_model(name: str) -> nn.Module:
 
 
 ZOO = ("llama", "mistral", "qwen2", "bert", "neox", "opt", "t5", "bart", "vit", "gemma", "phi3",
-       "falcon", "gptj", "roberta", "distilbert", "whisper", "convnext", "swin", "deit")
+       "falcon", "gptj", "roberta", "distilbert", "whisper", "convnext", "swin", "deit", "gemma3")
 
 
 def build(name: str) -> nn.Module:
@@ -314,7 +362,7 @@ def build(name: str) -> nn.Module:
         post = Flags(pre_norm=False, gated=False, skip_every=0, aux=False)
         return FlagNet(post if name == "flags-post" else Flags()).double()
     model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2,
-             "routed": RoutedNet}[name]()
+             "routed": RoutedNet, "tables": TableNet}[name]()
     return model.double() if name != "gpt2" else model
 
 
@@ -352,7 +400,7 @@ def example(name: str, batch: int = 6, step: int = 0
     gen = torch.Generator().manual_seed(100 + step)
     if name in ZOO or name.startswith("mixtral"):
         return _zoo_example(name, batch, gen)
-    if name.startswith("flags"):
+    if name.startswith("flags") or name == "tables":
         x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
         return (x,), {}, torch.randint(CLASSES, (batch,), generator=gen)
     if name in ("mlp", "routed"):
@@ -380,7 +428,7 @@ def loss_of(name: str) -> Any:
         return lambda out, y: F.cross_entropy(out[0], y)
     if name == "unet":
         return F.mse_loss
-    if name in ("resnet", "routed") or name.startswith("flags"):
+    if name in ("resnet", "routed", "tables") or name.startswith("flags"):
         return F.cross_entropy
     if name in ("t5", "bart", "whisper"):  # (logits, encoder_last_hidden_state)
         return lambda out, y: _token_loss(out[0], y)

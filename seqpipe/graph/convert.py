@@ -183,11 +183,38 @@ def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
                 f"{_where(path)} calls {op} in the traced glue between units, whose "
                 f"train/eval behaviour the trace would fix; make the module that calls it a "
                 f"unit (units=[...]), or write the nn.Sequential by hand")
+        written = _written_attribute(node)
+        if written is not None:  # a table read as a constant must stay one
+            raise ConversionError(
+                f"{_where(path)} writes {written!r} in the traced glue between units (an "
+                f"in-place {op}), which would run once per layer that computes it, and again "
+                f"when recomputed; make the module that writes it a unit (units=[...]), or "
+                f"write the nn.Sequential by hand")
         if path and path not in ancestors and is_stateful(owner) and path not in units:
             raise ConversionError(
                 f"module {path!r} ({type(owner).__name__}) holds parameters, buffers or "
                 f"train/eval behaviour but is not inside a unit, so the trace would take its "
                 f"work out of your module object; add it to units=[...] (or its parent)")
+
+
+def _written_attribute(node: fx.Node) -> Optional[str]:
+    """The parameter or buffer an in-place op of the glue writes (through views), if any."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return None
+    source = node.args[0] if node.args else None
+    while isinstance(source, fx.Node) and source.op == "call_function" and source.args \
+            and _is_view(source):
+        source = source.args[0]  # back through views (``buffer[0].add_(1)``)
+    if isinstance(source, fx.Node) and source.op == "get_attr":
+        return str(source.target)
+    return None
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and \
+        schema.returns[0].alias_info is not None
 
 
 def _where(path: str) -> str:
