@@ -20,7 +20,7 @@
   on one layer of two), BERT (``token_type_ids``, classification head), GPT-NeoX (partial
   rotary, parallel residual), OPT, T5 and BART (encoder-decoder), ViT (images), Gemma,
   Gemma 3 (sliding and full attention layers), Phi-3, Falcon, GPT-J, RoBERTa and
-  DistilBERT (classification heads), Whisper (audio features into an encoder-decoder),
+  DistilBERT and ModernBERT (classification heads), Whisper (audio features into an encoder-decoder),
   ConvNeXt, Swin and DeiT (images); and ``mixtral``
   (mixture of experts) in bfloat16 and, as ``mixtral-fp32``, in float32 (its layers
   opaque). The table of docs/models.md ("Models tested") lists them.
@@ -315,6 +315,12 @@ def zoo_model(name: str) -> nn.Module:
         return hf.RobertaForSequenceClassification(hf.RobertaConfig(
             vocab_size=VOCAB, max_position_embeddings=40, type_vocab_size=1, num_labels=LABELS,
             pad_token_id=1, bos_token_id=0, eos_token_id=2, **bert))
+    if name == "modernbert":  # global and local rotary: one module called per kind
+        return hf.ModernBertForSequenceClassification(hf.ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=32, num_labels=LABELS,
+            global_attn_every_n_layers=2, local_attention=4, embedding_dropout=0.0,
+            mlp_dropout=0.0, attention_dropout=0.0, classifier_dropout=0.0, **ids))
     if name == "distilbert":
         return hf.DistilBertForSequenceClassification(hf.DistilBertConfig(
             vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
@@ -345,7 +351,8 @@ def zoo_model(name: str) -> nn.Module:
 
 
 ZOO = ("llama", "mistral", "qwen2", "bert", "neox", "opt", "t5", "bart", "vit", "gemma", "phi3",
-       "falcon", "gptj", "roberta", "distilbert", "whisper", "convnext", "swin", "deit", "gemma3")
+       "falcon", "gptj", "roberta", "distilbert", "whisper", "convnext", "swin", "deit", "gemma3",
+       "modernbert")
 
 
 def build(name: str) -> nn.Module:
@@ -381,7 +388,7 @@ def _zoo_example(name: str, batch: int, gen: torch.Generator
         features = torch.randn(batch, MELS, FRAMES, generator=gen, dtype=torch.double)
         dec = torch.randint(2, VOCAB, (batch, LENGTH), generator=gen)
         return (features,), {"decoder_input_ids": dec, "use_cache": False}, target
-    if name in ("roberta", "distilbert"):
+    if name in ("roberta", "distilbert", "modernbert"):
         return (ids,), {"attention_mask": mask}, torch.randint(LABELS, (batch,), generator=gen)
     if name == "bert":
         types = torch.zeros(batch, LENGTH, dtype=torch.long)
