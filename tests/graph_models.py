@@ -19,11 +19,11 @@
   Llama (rotary, RMSNorm, GQA, tied head), Mistral (sliding window), Qwen2 (sliding window
   on one layer of two), BERT (``token_type_ids``, classification head), GPT-NeoX (partial
   rotary, parallel residual), OPT, T5 and BART (encoder-decoder), ViT (images), Gemma,
-  Gemma 3 (sliding and full attention layers), Phi-3, Falcon, GPT-J, RoBERTa and
-  DistilBERT and ModernBERT (classification heads), Whisper (audio features into an encoder-decoder),
-  ConvNeXt, Swin and DeiT (images); and ``mixtral``
-  (mixture of experts) in bfloat16 and, as ``mixtral-fp32``, in float32 (its layers
-  opaque). The table of docs/models.md ("Models tested") lists them.
+  Gemma 3 (sliding and full attention layers), Phi-3, Falcon, GPT-J, RoBERTa, DistilBERT
+  and ModernBERT (classification heads), Whisper (audio features into an
+  encoder-decoder), ConvNeXt, Swin and DeiT (images); and ``mixtral`` (mixture of
+  experts) in bfloat16 and, as ``mixtral-fp32``, in float32 (its layers opaque). The table
+  of docs/models.md ("Models tested") lists them.
 """
 from __future__ import annotations
 
