@@ -19,9 +19,9 @@
   Llama (rotary, RMSNorm, GQA, tied head), Mistral (sliding window), Qwen2 (sliding window
   on one layer of two), BERT (``token_type_ids``, classification head), GPT-NeoX (partial
   rotary, parallel residual), OPT, T5 and BART (encoder-decoder), ViT (images), Gemma,
-  Gemma 3 (sliding and full attention layers), Phi-3, Falcon, GPT-J, RoBERTa, DistilBERT
+  Gemma 3 (sliding and full attention layers), Phi-3, GPT-J, RoBERTa, DistilBERT
   and ModernBERT (classification heads), Whisper (audio features into an
-  encoder-decoder), ConvNeXt, Swin and DeiT (images); and ``mixtral`` (mixture of
+  encoder-decoder), ConvNeXt and Swin (images); and ``mixtral`` (mixture of
   experts) in bfloat16 and, as ``mixtral-fp32``, in float32 (its layers opaque). The table
   of docs/models.md ("Models tested") lists them.
 """
@@ -247,7 +247,7 @@ VOCAB, LENGTH, LABELS = 64, 8, 3
 MELS, FRAMES = 8, 16  # Whisper: mel bins, input frames (twice its positions)
 
 
-IMAGES = ("vit", "convnext", "swin", "deit")
+IMAGES = ("vit", "convnext", "swin")
 
 
 def zoo_model(name: str) -> nn.Module:
@@ -303,10 +303,6 @@ def zoo_model(name: str) -> nn.Module:
             layer_types=["sliding_attention", "full_attention"]))
     if name == "phi3":
         return hf.Phi3ForCausalLM(hf.Phi3Config(**decoder, resid_pdrop=0.0, embd_pdrop=0.0))
-    if name == "falcon":
-        return hf.FalconForCausalLM(hf.FalconConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            hidden_dropout=0.0, attention_dropout=0.0, **ids))
     if name == "gptj":
         return hf.GPTJForCausalLM(hf.GPTJConfig(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
@@ -342,17 +338,13 @@ def zoo_model(name: str) -> nn.Module:
             image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[1, 1],
             num_heads=[2, 2], window_size=2, num_labels=LABELS, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
-    if name == "deit":
-        return hf.DeiTForImageClassification(hf.DeiTConfig(
-            image_size=8, patch_size=4, num_channels=3, num_labels=LABELS, **bert))
     assert name == "vit", name
     return hf.ViTForImageClassification(hf.ViTConfig(
         image_size=8, patch_size=4, num_channels=3, num_labels=LABELS, **bert))
 
 
 ZOO = ("llama", "mistral", "qwen2", "bert", "neox", "opt", "t5", "bart", "vit", "gemma", "phi3",
-       "falcon", "gptj", "roberta", "distilbert", "whisper", "convnext", "swin", "deit", "gemma3",
-       "modernbert")
+       "gptj", "roberta", "distilbert", "whisper", "convnext", "swin", "gemma3", "modernbert")
 
 
 def build(name: str) -> nn.Module:

@@ -1,7 +1,7 @@
 """``seqpipe.to_sequential`` on the models people hold: Hugging Face architectures from
 tiny configs (``graph_models.ZOO``: Llama, Mistral, Qwen2, BERT, GPT-NeoX, OPT, T5, BART,
-ViT, Gemma, Gemma 3, Phi-3, Falcon, GPT-J, RoBERTa, DistilBERT and ModernBERT
-classifiers, Whisper, ConvNeXt, Swin, DeiT; Mixtral in bfloat16, and in float32 through
+ViT, Gemma, Gemma 3, Phi-3, GPT-J, RoBERTa, DistilBERT and ModernBERT
+classifiers, Whisper, ConvNeXt, Swin; Mixtral in bfloat16, and in float32 through
 opaque units), each with its documented call, trained through ``Pipe`` against the plain
 model (loss, every gradient and weight); their default units; a model that computes its
 own loss from ``labels=``. docs/models.md, "Models tested", lists them."""
@@ -25,8 +25,8 @@ TOL = dict(atol=1e-10, rtol=1e-8)
 
 # units of each ZOO model by default (docs/models.md, "Models tested")
 ZOO_UNITS = {"llama": 6, "mistral": 6, "qwen2": 6, "bert": 6, "neox": 7, "opt": 6, "t5": 15,
-             "bart": 11, "vit": 5, "gemma": 6, "phi3": 6, "falcon": 6, "gptj": 7, "roberta": 4,
-             "distilbert": 6, "whisper": 12, "convnext": 7, "swin": 7, "deit": 5, "gemma3": 5,
+             "bart": 11, "vit": 5, "gemma": 6, "phi3": 6, "gptj": 7, "roberta": 4,
+             "distilbert": 6, "whisper": 12, "convnext": 7, "swin": 7, "gemma3": 5,
              "modernbert": 7}
 
 
