@@ -173,9 +173,10 @@ class Tables(nn.Module):
         super().__init__()
         self.register_buffer("even", torch.linspace(0.5, 1.5, WIDTH), persistent=False)
         self.register_buffer("odd", torch.linspace(-1.0, 1.0, WIDTH), persistent=False)
+        self.register_buffer("base", torch.full((WIDTH,), 0.75), persistent=False)
 
-    def forward(self, h: Tensor, kind: str) -> Tensor:
-        return torch.sigmoid(h) * getattr(self, kind)
+    def forward(self, h: Tensor, kind: str) -> Tensor:  # base: read by every kind's layer
+        return torch.sigmoid(h) * getattr(self, kind) + self.base
 
 
 class Keyed(nn.Module):

@@ -10,7 +10,7 @@ build one layer per unit (``unit``). See ``docs/models.md``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -123,12 +123,34 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     persistent = set(model.state_dict().keys())
     layers = [build_unit(i, layer, traced.graph_module, plan.free, traced.device, ns,
                          persistent, layer.unit in opaque) for i, layer in enumerate(plan.layers)]
+    _own_tables(layers, model, persistent)
     seq = ConvertedSequential(*layers)
     flat = pytree.tree_leaves((args, kwargs))
     seq.origin = Origin(type(model).__name__, traced.in_spec, traced.out_spec,
                         {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)},
                         canonical_names(model))
     return seq
+
+
+def _own_tables(layers: Sequence[nn.Module], model: nn.Module, persistent: Set[str]) -> None:
+    """A constant table the glue of several layers reads (a non-persistent buffer of a
+    module traced into the glue, which the glue never writes: ``_check_glue``) is copied
+    into each layer after the first that reads it, so that no buffer is shared by layers
+    that may sit on different stages (``DistributedPipe`` refuses a shared buffer: it
+    cannot keep a written one in step across ranks; a constant needs no keeping)."""
+    theirs = {id(m) for m in model.modules()}  # a unit's own buffers stay the model's
+    seen: Set[int] = set()
+    for layer in layers:
+        for path, module in layer.named_modules():
+            if id(module) in theirs:
+                continue
+            for key, buffer in list(module._buffers.items()):
+                name = f"{path}.{key}" if path else key
+                if buffer is None or name in persistent:
+                    continue
+                if id(buffer) in seen:
+                    module._buffers[key] = buffer.clone()
+                seen.add(id(buffer))
 
 
 def _warn_unloadable(model: nn.Module) -> None:
