@@ -18,6 +18,8 @@ region is then swapped for the call of the user's object like any unit's (``trac
 What cannot be learned this way is refused naming the unit: an output size that is
 neither constant nor equal to an input size (the mend: choose units whose outputs keep
 their inputs' sizes), a module that fails on zeros, one built on ``meta`` (it cannot run).
+An output size that depends on the inputs' values (rows a boolean mask picks) cannot be
+learned from zeros, nor detected (docs/models.md says so).
 """
 from __future__ import annotations
 
