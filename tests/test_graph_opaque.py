@@ -68,6 +68,12 @@ class FlatNet(nn.Module):
         return self.flat(self.stem(x), mask[:, None])
 
 
+class Picky(Flat):
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:  # the rows its values pick
+        out = Routed.forward(self, h, mask)
+        return out[out[:, 0] > 0]
+
+
 class Fragile(Routed):
     def forward(self, h: Tensor, mask: Tensor) -> Tensor:
         out = super().forward(h, mask)
@@ -94,6 +100,14 @@ def test_learning_an_opaque_units_sizes_changes_nothing_and_what_it_cannot_is_re
                                               r"in dim 0 \(96\) that is no size of its inputs.*"
                                               r"Choose units whose outputs keep"):
         to_sequential(FlatNet().double(), args)
+    picky = FlatNet().double()
+    picky.flat = Picky().double()
+    with torch.no_grad():
+        picky.flat.down.bias.zero_()  # on zeros no row is picked, on other values some
+    with pytest.raises(ConversionError, match=r"output 0 of unit 'flat' .* has sizes that "
+                                              r"depend on its input values \(\(0, 16\) on "
+                                              r"zeros, \(\d+, 16\) on other values\)"):
+        to_sequential(picky, args)
     model.blocks[1] = Fragile().double()
     with pytest.raises(ConversionError, match=r"unit 'blocks.1' cannot be traced \(data-"
                                               r"dependent control flow.*in module 'blocks.1' at "

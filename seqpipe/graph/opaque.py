@@ -6,11 +6,12 @@ traced (Mixtral's ``grouped_mm`` in float32, whose fake kernel takes bfloat16 on
 branch on tensor values), ``to_sequential`` makes it **opaque** and traces again: during
 the dry run and the export its ``forward`` is replaced by a stand-in that does not run
 its code on fake tensors. The stand-in runs the user's module itself, eagerly, on zeros
-of its inputs' sizes (no gradient, the RNG and its buffers restored), once at the example's
-sizes and once more per symbolic size (each doubled), and answers with empty tensors
-whose sizes follow the inputs' symbolic sizes: an output dimension equal to an input
-dimension at every probe is that dimension (the batch stays dynamic), one that never
-changes is a constant. This is ``torch.fx``'s leaf module, and ``torch.export``'s
+of its inputs' sizes (no gradient, the RNG and its buffers restored), once at the
+example's sizes (and once on seeded random values: the sizes must not change), once more
+per symbolic size (each doubled), and answers with empty tensors whose sizes follow the
+inputs' symbolic sizes: an output dimension equal to an input dimension at every probe
+is that dimension (the batch stays dynamic), one that never changes is a constant.
+This is ``torch.fx``'s leaf module, and ``torch.export``'s
 ``leaf_function`` with its fake implementation, learned from the module instead of
 written by hand. Only the unit's call signature and its outputs enter the graph; its
 region is then swapped for the call of the user's object like any unit's (``trace``).
@@ -18,8 +19,8 @@ region is then swapped for the call of the user's object like any unit's (``trac
 What cannot be learned this way is refused naming the unit: an output size that is
 neither constant nor equal to an input size (the mend: choose units whose outputs keep
 their inputs' sizes), a module that fails on zeros, one built on ``meta`` (it cannot run).
-An output size that depends on the inputs' values (rows a boolean mask picks) cannot be
-learned from zeros, nor detected (docs/models.md says so).
+An output size that depends on the inputs' values (rows a boolean mask picks) is refused
+when a second run at the example's sizes, on seeded random values, gives other sizes.
 """
 from __future__ import annotations
 
@@ -86,10 +87,15 @@ def _stand_in(name: str, module: nn.Module, forward: Callable[..., Any],
                 f"of it depends on tensor values, so its output sizes cannot be learned; "
                 f"choose other units (units=[...]) or write the nn.Sequential by hand")
 
-        def run(at: Dict[Any, int]) -> List[Any]:
-            return _probe(name, module, forward, opaque, flat, spec, at)
+        def run(at: Dict[Any, int], noise: bool = False) -> List[Any]:
+            return _probe(name, module, forward, opaque, flat, spec, at, noise)
 
         probes, runs = [base], [run(base)]
+        try:
+            noisy = run(base, noise=True)
+        except ConversionError:  # fails on other values: this run cannot tell
+            noisy = runs[0]
+        _same_sizes(name, runs[0], noisy)
         pending = list(base)
         while pending:  # each symbolic size doubled, alone if the unit allows
             group = [pending.pop(0)]
@@ -163,8 +169,11 @@ def _eager(device: Optional[torch.device]) -> Iterator[None]:
 
 
 def _probe(name: str, module: nn.Module, forward: Callable[..., Any], opaque: Opaque,
-           flat: List[Any], spec: pytree.TreeSpec, at: Dict[Any, int]) -> List[Any]:
-    """The flat outputs of the unit run eagerly on zeros of its inputs' sizes at ``at``."""
+           flat: List[Any], spec: pytree.TreeSpec, at: Dict[Any, int],
+           noise: bool = False) -> List[Any]:
+    """The flat outputs of the unit run eagerly on zeros of its inputs' sizes at ``at``
+    (``noise``: floating-point inputs drawn from a fixed seed instead, to see whether the
+    output sizes follow the values)."""
     state = opaque.state[name]
     if any(t.is_meta for t in state.values()):
         raise ConversionError(
@@ -175,9 +184,15 @@ def _probe(name: str, module: nn.Module, forward: Callable[..., Any], opaque: Op
             f"by hand")
     device = next(iter(state.values())).device if state else None
     with _eager(device):
-        real = [torch.zeros([_value(s, at) for s in x.shape], dtype=x.dtype,
-                            device=device or x.device)
-                if isinstance(x, torch.Tensor) else
+        seeded = torch.Generator().manual_seed(0)
+
+        def fill(x: torch.Tensor) -> torch.Tensor:
+            shape = [_value(s, at) for s in x.shape]
+            if noise and x.dtype.is_floating_point:
+                return torch.randn(shape, generator=seeded, dtype=x.dtype).to(device or x.device)
+            return torch.zeros(shape, dtype=x.dtype, device=device or x.device)
+
+        real = [fill(x) if isinstance(x, torch.Tensor) else
                 _value(x, at) if isinstance(x, torch.SymInt) else x for x in flat]
         args, kwargs = pytree.tree_unflatten(real, spec)
         saved = {key: t.clone() for key, t in state.items() if not isinstance(t, nn.Parameter)}
@@ -195,6 +210,18 @@ def _probe(name: str, module: nn.Module, forward: Callable[..., Any], opaque: Op
                 state[key].copy_(value)
     leaves, out_spec = pytree.tree_flatten(out)
     return [out_spec, *leaves]
+
+
+def _same_sizes(name: str, zeros: List[Any], noise: List[Any]) -> None:
+    """Refuse a unit whose output sizes changed when only its input values did."""
+    for index, (a, b) in enumerate(zip(zeros[1:], noise[1:])):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
+            raise ConversionError(
+                f"output {index} of unit {name!r} (which cannot be traced: it runs as an "
+                f"opaque call) has sizes that depend on its input values ({tuple(a.shape)} on "
+                f"zeros, {tuple(b.shape)} on other values); an opaque unit's output sizes "
+                f"must follow its input sizes. Make the code that reads that output part of "
+                f"the unit (units=[...] naming a parent), or write the nn.Sequential by hand")
 
 
 def _fake_outputs(name: str, flat: List[Any], probes: List[Dict[Any, int]],
