@@ -24,7 +24,7 @@ when a second run at the example's sizes, on seeded random values, gives other s
 
 Values that pick the same sizes in both runs slip through the conversion, so the converted
 model checks at run time (``check_sizes``, put after each opaque call by ``trace``): each
-output the glue reads must have the sizes inferred, evaluated on the call's actual input
+tensor output must have the sizes inferred, evaluated on the call's actual input
 sizes; else a ``ValueError`` names the unit, the output, both sizes and the mend, instead
 of glue that computes with the inferred sizes (a mean divided by the batch, not by the
 rows the unit kept) silently wrong, or fails somewhere after with no name. It reads a few
