@@ -41,6 +41,7 @@ GIVEN: Dict[str, str] = {
 
 # (page, a line of the block) -> why it does not run in this test.
 _PROCESSES = "needs a process group of several ranks (torchrun); tests/test_distributed*.py"
+_SCRIPT = "a whole script for two ranks: test_two_rank_scripts_run runs it"
 _GPUS = "needs two GPUs (tests/test_cuda.py runs Pipe on GPUs)"
 _OUTLINE = "an outline: `nn.Sequential(...)` or `...` stands for the reader's model"
 SKIP: Dict[Tuple[str, str], str] = {
@@ -55,7 +56,7 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/checkpointing.md", 'save(pipe, optimizer, "ckpt/step-1000")'): _PROCESSES,
     ("docs/checkpointing.md", "gather_full_state_dict(pipe, dst=0)"): _PROCESSES,
     ("docs/checkpointing.md", "dcp.save({\"model\": model_sd"): _PROCESSES,
-    ("docs/distributed.md", "# train_pipe.py"): _PROCESSES,
+    ("docs/distributed.md", "# train_pipe.py"): _SCRIPT,
     ("docs/distributed.md", "pipe = DistributedPipe(model, chunks=2)"): _PROCESSES,
     ("docs/distributed.md", "from seqpipe.seeding import seed_layers"): _PROCESSES,
     ("docs/distributed.md", "loss_fn, count_fn=count_fn)"): _PROCESSES,
@@ -63,11 +64,11 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/distributed.md", "pipe.eval()\nout = pipe(x if pipe.is_first else None)   # the "
                             "output on the last stage, None on the others"): _PROCESSES,
     ("docs/distributed.md", "import torch.distributed.checkpoint as dcp"): _PROCESSES,
-    ("docs/distributed.md", "# torchrun --nproc-per-node=2 tied.py"): _PROCESSES,
+    ("docs/distributed.md", "# torchrun --nproc-per-node=2 tied.py"): _SCRIPT,
     ("docs/distributed.md", 'schedule="zbv")'): _PROCESSES,
     ("docs/distributed.md", "class ForwardOrderDrain:"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_dp.py"): _PROCESSES,
-    ("docs/distributed.md", "# torchrun --nproc-per-node=2 amp.py"): _PROCESSES,
+    ("docs/distributed.md", "# torchrun --nproc-per-node=2 amp.py"): _SCRIPT,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_fsdp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_hsdp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_dp_tp.py"): _PROCESSES,
@@ -132,3 +133,38 @@ def test_page_snippets_run(page: str, tmp_path: pathlib.Path,
         if _skip_entry(page, source) is None:
             torch.manual_seed(0)
             exec(code, namespace)
+
+
+TWO_RANKS = re.compile(r"torchrun --nproc-per-node=2 (\w+\.py)")
+
+
+def two_rank_scripts() -> Dict[str, str]:
+    """The whole scripts of docs/distributed.md for two ranks (a block whose first line
+    says ``torchrun --nproc-per-node=2 NAME.py``), by name."""
+    return {m.group(1): source for _, source in _blocks("docs/distributed.md")
+            if (m := TWO_RANKS.search(source.splitlines()[0]))}
+
+
+def _run_scripts(rank: int, world_size: int) -> None:
+    """Each script as written, in turn, on the harness's process group: its own
+    ``init_process_group`` and ``destroy_process_group`` calls stand for that group's."""
+    import torch.distributed as dist
+
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+    dist.init_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
+    dist.destroy_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        for name, source in two_rank_scripts().items():
+            torch.manual_seed(0)
+            exec(compile(source, str(ROOT / "docs" / name), "exec"), {"__name__": "__main__"})
+    finally:
+        dist.init_process_group, dist.destroy_process_group = init, destroy
+
+
+def test_two_rank_scripts_run() -> None:
+    """distributed.md's quick start, tied weights and mixed precision scripts, copied as
+    they are, train on two ranks (one launch for all three)."""
+    from distributed_harness import run_workers
+
+    assert sorted(two_rank_scripts()) == ["amp.py", "tied.py", "train_pipe.py"]
+    run_workers(_run_scripts, 2, timeout=120)
