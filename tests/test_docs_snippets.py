@@ -75,8 +75,8 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/distributed.md", "bucket_cap_mb=4,"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_sp.py"): _PROCESSES,
     ("docs/models.md", 'model = GPT2LMHeadModel.from_pretrained("gpt2")'):
-        "downloads GPT-2's weights and needs two GPUs; tests/test_graph.py converts a GPT-2 "
-        "built from a small config",
+        "downloads GPT-2's weights and needs two GPUs; test_gpt2_in_five_lines runs it on a "
+        "narrow GPT-2 of the same depth",
     ("docs/models.md", "model = torchvision.models.resnet50()"):
         "needs torchvision and a process group; tests/test_graph*.py convert a ResNet",
     ("docs/models.md", "model = MyModel()                                   # nothing allocated"):
@@ -168,3 +168,22 @@ def test_two_rank_scripts_run() -> None:
 
     assert sorted(two_rank_scripts()) == ["amp.py", "tied.py", "train_pipe.py"]
     run_workers(_run_scripts, 2, timeout=120)
+
+
+def test_gpt2_in_five_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """models.md's GPT-2 example, on the CPU and with GPT-2's twelve blocks made narrow
+    (its weights are a download): it converts, its ``balance`` fits, and it trains a step."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    narrow = GPT2Config(n_embd=16, n_head=2, n_layer=12, vocab_size=64, n_positions=16,
+                        bos_token_id=0, eos_token_id=0)
+    monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained",
+                        classmethod(lambda cls, name: cls(narrow)))
+    [source] = [source for _, source in _blocks("docs/models.md")
+                if 'GPT2LMHeadModel.from_pretrained("gpt2")' in source]
+    assert '["cuda:0", "cuda:1"]' in source
+    ids = torch.randint(64, (2, 4))  # two micro-batches of chunks=8: a cheap step
+    namespace: Dict[str, object] = {"ids": ids, "mask": torch.ones_like(ids),
+                                    "labels": torch.randint(64, (2, 4))}
+    exec(source.replace('["cuda:0", "cuda:1"]', '["cpu", "cpu"]'), namespace)
+    assert torch.isfinite(namespace["loss"]).item()  # type: ignore[call-overload]
