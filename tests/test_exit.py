@@ -181,3 +181,17 @@ def _dynamo_imported_late_then_seqpipe(rank: int, world_size: int) -> None:
 
 def test_seqpipe_imported_after_torch_dynamo_frees_the_default_group() -> None:
     run_workers(_dynamo_imported_late_then_seqpipe, 2, timeout=120, fresh_interpreter=True)
+
+
+def test_the_default_group_stand_in_stays_one_object() -> None:
+    """``DEFAULT_GROUP``, what a pipe keeps for a ``data_parallel_group`` that is the default
+    group, copies and unpickles as itself: a second object would not be read as the default
+    group (``resolved``) but passed to ``torch.distributed`` as a group."""
+    import copy
+    import pickle
+
+    from seqpipe.distributed.mesh import DEFAULT_GROUP, held_group
+
+    assert held_group(None) is None
+    assert copy.deepcopy({"kept": DEFAULT_GROUP})["kept"] is DEFAULT_GROUP
+    assert pickle.loads(pickle.dumps(DEFAULT_GROUP)) is DEFAULT_GROUP

@@ -78,6 +78,9 @@ class _DefaultGroup:
     def __repr__(self) -> str:
         return "DEFAULT_GROUP"
 
+    def __reduce__(self) -> str:
+        return "DEFAULT_GROUP"  # one object: a copied or unpickled pipe keeps it
+
 
 DEFAULT_GROUP = _DefaultGroup()
 """What a pipe keeps for an optional group (``data_parallel_group``) that is the default
