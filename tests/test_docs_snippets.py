@@ -93,7 +93,7 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/pipe.md", "balance=[12, 12], devices="): _GPUS,
     ("docs/pipe.md", 'loss = pipe.train_step(x, y, nn.functional.cross_entropy, schedule="1f1b")'):
         _GPUS,
-    ("docs/pipe.md", "del ddp"): _PROCESSES,
+    ("docs/pipe.md", "del ddp"): _SCRIPT,
     ("docs/pipe.md", "ddp.module.train_step("): _PROCESSES,
     ("docs/schedules.md", "schedule=Auto(max_live_microbatches=3)"): _PROCESSES,
 }
@@ -138,10 +138,10 @@ def test_page_snippets_run(page: str, tmp_path: pathlib.Path,
 TWO_RANKS = re.compile(r"torchrun --nproc-per-node=2 (\w+\.py)")
 
 
-def two_rank_scripts() -> Dict[str, str]:
-    """The whole scripts of docs/distributed.md for two ranks (a block whose first line
-    says ``torchrun --nproc-per-node=2 NAME.py``), by name."""
-    return {m.group(1): source for _, source in _blocks("docs/distributed.md")
+def two_rank_scripts() -> Dict[str, Tuple[str, str]]:
+    """The docs' whole scripts for two ranks (a block whose first line says ``torchrun
+    --nproc-per-node=2 NAME.py``): NAME.py -> (page, source)."""
+    return {m.group(1): (page, source) for page in PAGES for _, source in _blocks(page)
             if (m := TWO_RANKS.search(source.splitlines()[0]))}
 
 
@@ -154,19 +154,20 @@ def _run_scripts(rank: int, world_size: int) -> None:
     dist.init_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
     dist.destroy_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
     try:
-        for name, source in two_rank_scripts().items():
+        for page, source in two_rank_scripts().values():
             torch.manual_seed(0)
-            exec(compile(source, str(ROOT / "docs" / name), "exec"), {"__name__": "__main__"})
+            exec(compile(source, str(ROOT / page), "exec"), {"__name__": "__main__"})
     finally:
         dist.init_process_group, dist.destroy_process_group = init, destroy
 
 
 def test_two_rank_scripts_run() -> None:
-    """distributed.md's quick start, tied weights and mixed precision scripts, copied as
-    they are, train on two ranks (one launch for all three)."""
+    """distributed.md's quick start, tied weights and mixed precision scripts and pipe.md's
+    ``DistributedDataParallel(Pipe)``, copied as they are, train on two ranks (one launch
+    for all)."""
     from distributed_harness import run_workers
 
-    assert sorted(two_rank_scripts()) == ["amp.py", "tied.py", "train_pipe.py"]
+    assert sorted(two_rank_scripts()) == ["amp.py", "ddp_pipe.py", "tied.py", "train_pipe.py"]
     run_workers(_run_scripts, 2, timeout=120)
 
 
