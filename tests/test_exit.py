@@ -139,7 +139,7 @@ def the_kept_mesh_works_as_the_mesh(rank: int, world_size: int) -> None:
     (``seqpipe.distributed.mesh.kept_mesh``): a mesh equal to it (which is what lets
     ``DTensor``s on either mix), whose sub-meshes equal the mesh's and whose ``DTensor``s
     redistribute over both dimensions, including the one that is the default group. (No
-    ``DTensor`` op runs on the mesh itself: torch's sharding-propagation cache would then
+    ``DTensor`` op runs on the mesh itself: the caches of ``DTensor``'s dispatch would then
     keep it, and with it the default group, to the end.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
