@@ -20,7 +20,9 @@ and whatever is left of the step ("rest": schedule bookkeeping, Python, the barr
 the message is needed instead of as soon as the previous one from that peer was taken
 (``Transport.ahead = False``): what receiving ahead buys; ``seqpipe <clock> unsplit`` runs
 each stage's last backward whole, as before session 9 (its plan built without
-``plan.split_tails``): what splitting it buys.
+``plan.split_tails``): what splitting it buys; ``seqpipe <clock> packed`` copies every
+payload into its message's one buffer, as before session 10 (``Transport.direct_bytes =
+None``): what sending a large tensor apart from its header, uncopied, buys.
 
 ``--timeline NAME ...`` prints one step's events per rank for the named variants.
 
@@ -66,7 +68,7 @@ import seqpipe.distributed.plan as seq_plan
 from seqpipe.distributed import DistributedPipe
 from seqpipe.distributed.transport import HEADER_SLOTS, Transport
 
-WHAT_IFS = ("lazy", "unsplit")
+WHAT_IFS = ("lazy", "unsplit", "packed")
 
 
 # -- a self-time profiler --------------------------------------------------------------
@@ -149,6 +151,8 @@ def what_if_steps(variants: Variants, rank: int, model: torch.nn.Sequential, chu
                                    schedule=clock, checkpoint="never", device="cpu")
             if kind == "lazy":
                 pipe._transport.ahead = False
+            elif kind == "packed":  # every payload copied into its message's one buffer
+                pipe._transport.direct_bytes = None
             else:  # the plan of a call of ``chunks`` made (and kept) without the split
                 with mock.patch.object(seq_plan, "split_tails",
                                        lambda actions, placement: [list(a) for a in actions]):
@@ -334,7 +338,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="variants to print one step's timeline of, e.g. 'seqpipe 1f1b'")
     parser.add_argument("--what-if", nargs="*", default=["lazy"], choices=WHAT_IFS,
                         help="what-if variants: 'lazy' (receives posted only when needed), "
-                             "'unsplit' (each stage's last backward whole); none: --what-if")
+                             "'unsplit' (each stage's last backward whole), 'packed' (no "
+                             "direct payloads); none: --what-if")
     args = parser.parse_args(argv)
     print(f"# {machine_line()} (at start)", file=sys.stderr, flush=True)
     answers = dict(spawn(breakdown_rank, args))

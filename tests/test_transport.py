@@ -266,7 +266,53 @@ def _modes_and_memory(rank: int, world: int) -> None:
         failures.expect(peaks["1f1b"] <= 3 * message, what)
         failures.expect(peaks["fill_drain"] >= 8 * message, what)
         failures.expect(peaks["1f1b"] < peaks["fill_drain"], what)
+    _direct_payloads(rank, world, failures)
     failures.finish()
+
+
+def _direct_payloads(rank: int, world: int, failures: Failures) -> None:
+    """d. A one-tensor payload of at least ``Transport.direct_bytes`` goes apart from its
+    header, as the tensor itself, into a tensor the receiver posted ahead (no copy on either
+    side): header and tensor once its shape is trusted; header, a placeholder the posted
+    size, then the payload when it changed. Gradients match throughout."""
+    sent: List[Tensor] = []
+    original = Transport._isend
+
+    def _isend(self: Transport, buffer: Tensor, stage: int, taken_at: int) -> None:
+        sent.append(buffer)
+        original(self, buffer, stage, taken_at)
+
+    torch.manual_seed(6)
+    ref = wide().to(DTYPE)
+    torch.manual_seed(6)
+    pipe = DistributedPipe(wide().to(DTYPE), chunks=4, balance=[2, 1], schedule="1f1b",
+                           checkpoint="never")
+    pipe._transport.direct_bytes = 1  # every one-tensor payload (the default: 1 MiB)
+    gen = torch.Generator().manual_seed(21)
+    kind = Kind.ACTIVATION if rank == 0 else Kind.GRAD
+    # (batch, payload buffers per activation or gradient): new shapes go as today (header
+    # and payload); trusted ones as header + tensor; micro-batches of 3 after 2 samples:
+    # header, placeholder, payload
+    for n, (batch, shapes) in enumerate([(8, "new"), (8, "trusted"), (12, "changed"),
+                                         (12, "new"), (12, "trusted")]):
+        x = torch.randn(batch, 32, generator=gen, dtype=DTYPE)
+        y = torch.randn(batch, 4, generator=gen, dtype=DTYPE)
+        with mock.patch.object(Transport, "_isend", _isend), Recorder() as rec:
+            sent.clear()
+            matched_step(pipe, ref, rank, world, x, y, failures, f"direct step {n}")
+        what = f"direct step {n} ({shapes} shapes)"
+        buffers = [m[4] for m in rec.messages if m[1] is kind]
+        expected = {"new": 2, "trusted": 2, "changed": 3}[shapes]
+        failures.expect(buffers == [expected] * 4, f"{what}: buffers {buffers}")
+        tensors = [b for b in sent if b.dim() == 2]  # sent as tensors, not as bytes
+        uncopied = [t for t in tensors if t.shape == (batch // 4, 1024) and t.dtype == DTYPE]
+        failures.expect(len(uncopied) == (4 if shapes == "trusted" else 0),
+                        f"{what}: {len(uncopied)} tensors sent uncopied")
+        fillers = [t for t in tensors if t.shape == (2, 1024) and not t.any()]  # the old size
+        failures.expect(len(fillers) == (4 if shapes == "changed" else 0) and
+                        len(tensors) == len(uncopied) + len(fillers),
+                        f"{what}: {[t.shape for t in tensors]} sent as tensors")
+        failures.expect(pipe._transport.pending_bytes() == 0, f"{what}: bytes still held")
 
 
 def test_ahead_off_matches_and_1f1b_holds_few_sent_activations() -> None:
@@ -408,6 +454,26 @@ def test_a_message_packs_into_one_buffer_and_unpacks_bit_exact() -> None:
     assert not filler[HEADER_BYTES:].any()
 
 
+def test_a_direct_payload_is_the_tensor_itself_with_its_view_flags_applied() -> None:
+    """``direct``: one tensor of at least ``least`` bytes (never with ``None``); ``as_sent``
+    shares a dense tensor's memory and resolves what raw memory would get wrong (a negated
+    or conjugated view, a strided one); ``placeholder`` is zeros of the posted spec."""
+    cpu = torch.device("cpu")
+    one = ((torch.float32, (32, 1024)),)
+    assert wire.direct(one, 64 << 10) and not wire.direct(one, (128 << 10) + 1)
+    assert not wire.direct(one) and wire.direct(((torch.float32, (256, 1024)),))  # 1 MiB
+    assert not wire.direct(one, None) and not wire.direct(one * 2, 1)
+    assert not wire.direct((), 1)
+    for tensor in _odd_tensors():
+        sent = wire.as_sent(tensor, cpu)
+        assert sent.is_contiguous() and not sent.is_neg() and not sent.is_conj()
+        assert torch.equal(sent, tensor) and not sent.requires_grad
+    dense = torch.randn(4, 5, requires_grad=True)
+    assert wire.as_sent(dense, cpu).data_ptr() == dense.data_ptr()  # no copy
+    filler = wire.placeholder(((torch.float64, (3, 2)),), cpu)
+    assert filler.dtype == torch.float64 and filler.shape == (3, 2) and not filler.any()
+
+
 # -- a send that cannot go out ----------------------------------------------------------
 class ToDtype(nn.Module):
     """Passes its input through, or casts it to ``dtype`` once ``dtype`` is set."""
@@ -421,26 +487,32 @@ class ToDtype(nn.Module):
 
 
 def _unsendable(rank: int, world: int) -> None:
-    torch.manual_seed(0)
-    cast = ToDtype()
-    pipe = DistributedPipe(nn.Sequential(nn.Linear(8, 8), cast, nn.Linear(8, 4)).to(DTYPE),
-                           chunks=2, balance=[2, 1])
-    x, y = data(40, 7)  # micro-batches of 4 and 3: the messages after ACT 0 differ in size
+    # once with the message in one buffer, once sent apart from its header (``direct``):
+    # then the notice fills both receives stage 1 posted, the header's and the tensor's
+    for direct in (None, 1):
+        torch.manual_seed(0)
+        cast = ToDtype()
+        pipe = DistributedPipe(nn.Sequential(nn.Linear(8, 8), cast, nn.Linear(8, 4)).to(DTYPE),
+                               chunks=2, balance=[2, 1],
+                               group=None if direct is None else dist.new_group([0, 1]))
+        pipe._transport.direct_bytes = direct
+        x, y = data(40, 7)  # micro-batches of 4 and 3: the messages after ACT 0 differ in size
 
-    def step() -> Tensor:
-        return pipe.train_step(x if rank == 0 else None, y if rank == 1 else None, F.mse_loss)
+        def step(pipe: DistributedPipe = pipe, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return pipe.train_step(x if rank == 0 else None, y if rank == 1 else None,
+                                   F.mse_loss)
 
-    step()  # shapes known: stage 1 now posts the activation's receive ahead, sized for it
-    cast.dtype = torch.float8_e4m3fn  # a dtype the wire does not carry
-    try:
-        step()
-    except TypeError as exc:  # the sender: the original error, with the stage's note
-        assert rank == 0 and "cannot send a torch.float8_e4m3fn tensor" in str(exc), exc
-    except PeerError as exc:  # the receiver: told, in the buffer it had posted
-        assert rank == 1 and "cannot send a torch.float8_e4m3fn tensor" in str(exc), exc
-        assert "stage 0 failed in the forward of micro-batch 0" in str(exc), exc
-    else:
-        raise AssertionError("the step did not fail")
+        step()  # shapes known: stage 1 now posts the activation's receive ahead, sized for it
+        cast.dtype = torch.float8_e4m3fn  # a dtype the wire does not carry
+        try:
+            step()
+        except TypeError as exc:  # the sender: the original error, with the stage's note
+            assert rank == 0 and "cannot send a torch.float8_e4m3fn tensor" in str(exc), exc
+        except PeerError as exc:  # the receiver: told, in the buffer it had posted
+            assert rank == 1 and "cannot send a torch.float8_e4m3fn tensor" in str(exc), exc
+            assert "stage 0 failed in the forward of micro-batch 0" in str(exc), exc
+        else:
+            raise AssertionError(f"the step did not fail (direct_bytes={direct})")
 
 
 def test_a_tensor_the_wire_cannot_carry_fails_both_ranks_after_shapes_are_cached() -> None:

@@ -1,42 +1,37 @@
 """Point-to-point messages between pipeline stages over ``torch.distributed``.
 
-A message is one tensor-only buffer (``seqpipe.distributed.wire``), so uneven
-micro-batches and batch sizes that change between steps need no agreement in advance.
-Sends are non-blocking: a stage never waits for its neighbour to receive, so schedules such
-as 1F1B cannot deadlock on sends. NCCL and gloo share this one code path.
+A message is one tensor-only buffer, or a header and one large tensor sent as it is
+(``seqpipe.distributed.wire``), so uneven micro-batches and batch sizes that change between
+steps need no agreement in advance. Sends are non-blocking: a stage never waits for its
+neighbour to receive, so schedules such as 1F1B cannot deadlock on sends. NCCL and gloo
+share this one code path.
 
 **Receiving ahead.** Each call, both ends of every pair of stages are told the same plan
 (``seqpipe.distributed.plan``): the messages one sends the other, in order. A receiver
 posts the receives of a peer's next message, header *and* payload, sized as the same
 message was in the previous call, before the peer sends it, so the data is written straight
-into place; waiting for a header before posting the payload would put a second round trip
-on the critical path of every hop. The first receive of a call from each peer is put off
-until the rank first waits or ends an action (``post_due``): posted when the call
-opens, the rank of stage 0 spent ~0.1 ms a receive before its first forward. Each later
-receive is posted as soon as the message before it arrived, so that its data flows while
-this rank computes (posting it only when the rank waits cost a 2-rank MLP 6-8 %: a 128 KiB
-activation then moved only once it was needed). The sender keeps the same record, so it
-knows what the receiver posted: when the shapes differ it sends a buffer of the size the
-receiver posted, whose header says so, and the real payload after it (one extra round
-trip). Which size is posted, and when a changing shape stops being trusted, is
-``seqpipe.distributed.shapes``. A failure notice is sized the same way, so it fills exactly
-what the peer posted.
+into place (waiting for a header before posting the payload would put a second round trip
+on every hop). A call's first receive from each peer is put off until the rank first waits
+or ends an action (``post_due``; posted at the opening, they cost stage 0 ~0.1 ms each
+before its first forward); each later one is posted as soon as the message before it
+arrived, so its data flows while this rank computes (posting it only when the rank waits
+cost a 2-rank MLP 6-8 %). The sender keeps the same record, so it knows what the receiver
+posted: when the shapes differ it fills that receive, with a header that says so, and
+sends the real payload after it (one extra round trip). Which size is posted, and when a
+changing shape stops being trusted, is ``seqpipe.distributed.shapes``. A failure notice
+fills what the peer posted the same way.
 
 **Headers stay on the host side.** On a GPU a header is built in pinned memory and copied
 into the message buffer without blocking, and a received header is read back through a
 side stream that waits only for that receive: the host waits for the message to arrive, not
 for the compute queued before it, and never for a send.
 
-**One process group per direction.** Messages to a higher stage travel on ``group``,
-messages to a lower stage on ``reverse`` (same ranks). With NCCL, point-to-point operations
-between two ranks of one group share a stream and run in the order they were issued, so a
-receive posted ahead would hold up this rank's later sends to that peer, and under 1F1B a
-send and a receive issued in opposite orders on two ranks can deadlock once messages
-outgrow NCCL's buffers. With a group per direction each stream carries one direction, in
-the same order on both ends. Gloo runs the same code (its pairs then get a socket per
-direction). A pipeline on a group for which no second group could be made (see
-``seqpipe.distributed.mesh``) uses its one group both ways; on NCCL it then posts each
-receive only when the message is needed.
+**One process group per direction.** Messages to a higher stage travel on ``group``, to a
+lower one on ``reverse`` (same ranks): with NCCL, the operations between two ranks of one
+group run in issue order on one stream, so a receive posted ahead would hold up this rank's
+later sends to that peer, and 1F1B could deadlock (docs/distributed.md, "On the wire"). A
+pipeline on a group for which no second group could be made (``seqpipe.distributed.mesh``)
+uses its one group both ways; on NCCL it then posts each receive only when it is needed.
 
 **Communicators and failures.** Every (group, pair) a call uses is opened when the pipeline
 is built (``seqpipe.distributed.communicators``), and failures travel only over those.
@@ -63,18 +58,20 @@ from seqpipe.distributed.communicators import open_pairs
 from seqpipe.distributed.shapes import SeenShapes
 from seqpipe.distributed.values import Values
 from seqpipe.distributed.wire import (
+    DIRECT_BYTES,
     HEADER_BYTES,
     HEADER_SLOTS,
     Kind,
     Message,
     Spec,
+    buffers,
     decode,
     decode_text,
     encode_text,
     header_words,
     nbytes,
-    pack,
     read_header,
+    receives,
     spec_of,
     unpack,
 )
@@ -101,12 +98,16 @@ class PeerError(RuntimeError):
 
 @dataclass
 class _Posted:
-    """The receive posted for a peer's next message, sized for the payload expected."""
+    """The receives posted for a peer's next message, sized for the payload expected."""
 
     planned: Optional["Planned"]
     spec: Spec
     buffer: Tensor
     work: dist.Work
+    direct: Optional[Tuple[Tensor, dist.Work]] = None  # the payload's tensor, received apart
+
+    def operations(self) -> List[Tuple[dist.Work, Tensor]]:
+        return [(self.work, self.buffer)] + ([self.direct[::-1]] if self.direct else [])
 
 
 def _started(work: Optional[dist.Work]) -> dist.Work:
@@ -144,14 +145,14 @@ class Transport:
         self._pending: Dict[int, List[_Sent]] = defaultdict(list)
         self._globals: Dict[int, int] = {}  # stage -> global rank
         self.sent_bytes = 0  # every buffer sent, headers and placeholders included
+        self.direct_bytes: Optional[int] = DIRECT_BYTES  # (``wire.direct``; None: never)
         self._pin = device.type == "cuda"  # headers in pinned host memory, copied async
         self._side = torch.cuda.Stream(device) if self._pin else None
         self._arrived = torch.cuda.Event() if self._pin else None
 
     # -- communicators -----------------------------------------------------------------
     def connect(self, channels: Iterable[Channel]) -> None:
-        """Open the communicator of every pair of stages in ``channels`` now, all ranks in
-        one order (``seqpipe.distributed.communicators``); every rank calls it alike."""
+        """Open every pair's communicator now, all ranks alike (``communicators``)."""
         open_pairs(self, channels)
 
     # -- a call's plan -----------------------------------------------------------------
@@ -189,7 +190,7 @@ class Transport:
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
         work = _started(dist.isend(buffer, dst=self.global_rank(stage),
                                    group=self.group_between(self.index, stage)))
-        self.sent_bytes += buffer.numel()
+        self.sent_bytes += buffer.numel() * buffer.element_size()
         self._pending[stage].append((taken_at, work, buffer))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
@@ -216,9 +217,10 @@ class Transport:
         queue = self._incoming[src]
         planned = queue.popleft() if queue else None
         spec = self._seen_in.posted(src, planned)
-        buffer = torch.empty(HEADER_BYTES + nbytes(spec), dtype=torch.uint8,
-                             device=self.device)
-        self._posted[src] = _Posted(planned, spec, buffer, self._irecv(buffer, src))
+        buffer, payload = receives(spec, self.device, self.direct_bytes)
+        work = self._irecv(buffer, src)
+        self._posted[src] = _Posted(planned, spec, buffer, work, None if payload is None
+                                    else (payload, self._irecv(payload, src)))
 
     # -- sending -----------------------------------------------------------------------
     def send(self, stage: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
@@ -231,18 +233,12 @@ class Transport:
         expected = self._seen_out.posted(stage, planned)  # what ``stage`` posted for it
         payload = [t for t in tensors if t is not None]
         actual = spec_of(payload)
-        reshaped = actual != expected
         taken_at = planned.taken_at if planned else sys.maxsize
-        header = header_words(kind, microbatch, key, count, atomic, reshaped, tensors, flags,
-                              origin=origin, values=values)
-        if not reshaped:
-            self._isend(pack(header, payload, HEADER_BYTES + nbytes(actual), self.device,
-                             pin=self._pin), stage, taken_at)
-        else:  # fill the receive the peer posted; the real payload follows on its own
-            self._isend(pack(header, [], HEADER_BYTES + nbytes(expected), self.device,
-                             pin=self._pin), stage, taken_at)
-            if payload:
-                self._isend(pack(None, payload, nbytes(actual), self.device), stage, taken_at)
+        header = header_words(kind, microbatch, key, count, atomic, actual != expected,
+                              tensors, flags, origin=origin, values=values)
+        for buffer in buffers(header, payload, expected, self.device, least=self.direct_bytes,
+                              pin=self._pin):
+            self._isend(buffer, stage, taken_at)
         if planned is not None:
             self._seen_out.saw(stage, planned, actual)
             self._outgoing[stage].popleft()
@@ -269,6 +265,7 @@ class Transport:
         header = self._arrival(posted)
         kind, microbatch, key, count, atomic, reshaped, origin, specs, values = decode(header)
         if kind is Kind.ABORT:
+            inflight.keep(posted.operations()[1:], group=self.group, wanted=False)  # placeholder
             raise PeerError(decode_text(header), peer=stage)
         planned = posted.planned
         if planned is not None and planned.identity != (kind, microbatch, key, origin):
@@ -276,11 +273,14 @@ class Transport:
                                f"{(kind, microbatch, key, origin)} where the plan says "
                                f"{planned.identity}")
         spec: Spec = tuple((s[0], s[2]) for s in specs if s is not None)
+        if posted.direct is not None:  # the payload's tensor, or a placeholder in it
+            self._wait(posted.direct[1])
         if not reshaped:
             if spec != posted.spec:
                 raise RuntimeError(f"internal error: stage {stage} sent a payload of another "
                                    f"shape than this stage posted, without saying so")
-            payload = unpack(posted.buffer, HEADER_BYTES, spec)
+            payload = [posted.direct[0]] if posted.direct is not None else \
+                unpack(posted.buffer, HEADER_BYTES, spec)
         else:
             buffer = torch.empty(nbytes(spec), dtype=torch.uint8, device=self.device)
             if spec:
@@ -336,7 +336,7 @@ class Transport:
 
     def pending_bytes(self) -> int:
         """Bytes of sent tensors still held until their sends are known to be complete."""
-        return sum(t.untyped_storage().nbytes() for sent in self._pending.values()
+        return sum(t.numel() * t.element_size() for sent in self._pending.values()
                    for _, _, t in sent)
 
     def flush(self) -> None:
@@ -377,17 +377,18 @@ class Transport:
         self.failure = text
         header = encode_text(Kind.ABORT, text, pin=self._pin)
         for stage in self.relay_to(heard_from):
-            size = HEADER_BYTES + nbytes(self._seen_out.posted(stage, self._outgoing[stage][0]))
-            try:
-                self._isend(pack(header, [], size, self.device), stage, sys.maxsize)
+            posted = self._seen_out.posted(stage, self._outgoing[stage][0])
+            try:  # the header fills what the peer posted (a direct one: with a placeholder)
+                for buffer in buffers(header, [], posted, self.device, least=self.direct_bytes):
+                    self._isend(buffer, stage, sys.maxsize)
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
                 pass
         sent = [entry for entries in self._pending.values() for entry in entries]
         inflight.keep([(w, b) for at, w, b in sent if at == sys.maxsize], patience=patience,
                       group=self.group)
         inflight.keep([(w, b) for at, w, b in sent if at != sys.maxsize] +
-                      [(p.work, p.buffer) for p in self._posted.values()], group=self.group,
-                      wanted=False)
+                      [op for p in self._posted.values() for op in p.operations()],
+                      group=self.group, wanted=False)
         self._pending = defaultdict(list)
         self._posted.clear()
         self._due.clear()
@@ -395,6 +396,5 @@ class Transport:
         self._outgoing.clear()
 
     def relay_to(self, heard_from: Optional[int] = None) -> List[int]:
-        """The stages a failure notice from this one goes to: those that still expect a
-        message from it in this call, but ``heard_from``."""
+        """The stages still expecting a message from this one in this call, but ``heard_from``."""
         return sorted(s for s, queue in self._outgoing.items() if queue and s != heard_from)

@@ -10,7 +10,9 @@ text in the header instead. The tensors follow in the same buffer, each at an of
 aligned for any dtype, so a receiver takes them out as views, without copying. One buffer
 per message rather than one per tensor halves the rendezvous a hop costs (each point-to-point
 operation is a handshake with the peer), at the price of one copy of the payload on each
-side.
+side. Where that copy costs more than a second operation, a payload of one large tensor
+goes apart from its header, as the tensor itself, into a tensor the receiver posted beside
+the header's receive (``direct``, ``buffers``, ``receives``).
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ from seqpipe.distributed.values import Values, bytes_to_words, from_words, to_wo
 
 __all__ = ["HEADER_SLOTS", "HEADER_BYTES", "Kind", "Message", "Spec", "spec_of", "nbytes",
            "pack", "unpack", "encode", "header_words", "as_header", "encode_text", "decode",
-           "decode_text", "read_header"]
+           "decode_text", "read_header", "DIRECT_BYTES", "direct", "as_sent", "placeholder",
+           "buffers", "receives"]
 
 HEADER_SLOTS = 256
 HEADER_BYTES = HEADER_SLOTS * 8
+DIRECT_BYTES = 1 << 20  # a one-tensor payload this large travels apart, uncopied (``direct``)
 _ALIGN = 16  # payload offsets: a multiple of every dtype's size, so views need no copy
 _MAGIC = 0x5E9419E
 _FIXED = 9  # magic, kind, micro-batch, key, count, atomic, reshaped, origin, number of tensors
@@ -123,6 +127,70 @@ def pack(header: Union[Tensor, List[int], None], tensors: Sequence[Tensor], size
             buffer[offset:offset + n].copy_(data)
         offset += -(-n // _ALIGN) * _ALIGN
     return buffer
+
+
+def direct(spec: Spec, least: Optional[int] = DIRECT_BYTES) -> bool:
+    """Whether a message whose receiver posted ``spec`` sends its payload apart from its
+    header, as the tensor itself: one tensor of at least ``least`` bytes (None: never).
+
+    Sender and receiver decide from the same posted spec, so they agree without a word.
+    The second point-to-point operation pays where the copy it saves costs more: on this
+    project's 2-core CPU machine the sender's CPU per message is level at 1 MiB, a quarter
+    to three fifths lower at 4-8 MiB, and no lower below 1 MiB (``benchmarks/dist_direct.py``,
+    docs/benchmarks.md "Session 10: hop3"). The receiver gains little either way.
+    """
+    return least is not None and len(spec) == 1 and nbytes(spec) >= least
+
+
+def as_sent(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` as a direct message sends it: on ``device``, dense, its negation or
+    conjugation (a view's flag) applied, sharing its memory where it can (no copy)."""
+    return tensor.detach().to(device).resolve_conj().resolve_neg().contiguous()
+
+
+def placeholder(spec: Spec, device: torch.device) -> Tensor:
+    """Zeros the size of a direct receive posted for ``spec``: what fills it when the
+    message carries something else (a new shape, a failure notice)."""
+    (dtype, shape), = spec
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def buffers(header: Union[Tensor, List[int]], payload: Sequence[Tensor], expected: Spec,
+            device: torch.device, *, least: Optional[int] = DIRECT_BYTES,
+            pin: bool = False) -> List[Tensor]:
+    """What a message sends, in order, to fill the receives its peer posted for a payload
+    of ``expected`` (``receives``): the header, and
+
+    * ``payload`` as it is, apart from the header (``direct``), or in one buffer after it,
+      where it is the payload expected;
+    * else a placeholder of the posted size (after the header, or apart from it), and then
+      the payload on its own (the header says so: "reshaped"). A failure notice is a
+      header whose payload is ``[]``.
+    """
+    actual = spec_of(payload)
+    reshaped = actual != expected
+    if direct(expected, least):
+        sent = [pack(header, [], HEADER_BYTES, device, pin=pin),
+                placeholder(expected, device) if reshaped else as_sent(payload[0], device)]
+    else:
+        sent = [pack(header, [] if reshaped else payload,
+                     HEADER_BYTES + nbytes(expected), device, pin=pin)]
+    if reshaped and payload:
+        sent.append(pack(None, payload, nbytes(actual), device))
+    return sent
+
+
+def receives(expected: Spec, device: torch.device, least: Optional[int] = DIRECT_BYTES
+             ) -> Tuple[Tensor, Optional[Tensor]]:
+    """The buffers posted for a message whose payload is expected to be ``expected``: the
+    header and that payload in one byte buffer, or the header and, apart, the payload's
+    tensor itself (``direct``), which the message's layer then takes as it is."""
+    if not direct(expected, least):
+        return torch.empty(HEADER_BYTES + nbytes(expected), dtype=torch.uint8,
+                           device=device), None
+    (dtype, shape), = expected
+    return (torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device),
+            torch.empty(shape, dtype=dtype, device=device))
 
 
 def unpack(buffer: Tensor, offset: int, spec: Spec) -> List[Tensor]:
