@@ -8,16 +8,26 @@
   wheel does not load under torch+cpu);
 * ``gpt2``: Hugging Face GPT-2 from a tiny config (tied ``wte``/``lm_head``, attention
   mask as a keyword), dropout off so losses compare exactly;
+* ``FlagNet`` (``flags``, ``flags-post``): a forward that branches in Python on its
+  configuration (``Flags``), never on data;
+* ``TableNet`` (``tables``): a module of constant tables (non-persistent buffers) called
+  once per kind, and blocks called with a string, as Gemma 3's rotary embedding;
+* ``RoutedNet`` (``routed``): blocks that branch on tensor values, which no trace can
+  enter (opaque units);
 * ``ZOO``: the other architectures users bring, each from a tiny Hugging Face config (2
   layers, hidden 32, sequence 8, no weights downloaded), dropout off, in double precision:
   Llama (rotary, RMSNorm, GQA, tied head), Mistral (sliding window), Qwen2 (sliding window
   on one layer of two), BERT (``token_type_ids``, classification head), GPT-NeoX (partial
-  rotary, parallel residual), OPT, T5 and BART (encoder-decoder) and ViT (images); and
-  ``mixtral`` (mixture of experts) in bfloat16. The table of docs/models.md ("Models
-  tested") lists them.
+  rotary, parallel residual), OPT, T5 and BART (encoder-decoder), ViT (images), Gemma,
+  Gemma 3 (sliding and full attention layers), Phi-3, GPT-J, RoBERTa, DistilBERT
+  and ModernBERT (classification heads), Whisper (audio features into an
+  encoder-decoder), ConvNeXt and Swin (images); and ``mixtral`` (mixture of
+  experts) in bfloat16 and, as ``mixtral-fp32``, in float32 (its layers opaque). The table
+  of docs/models.md ("Models tested") lists them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -108,6 +118,122 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+@dataclass(frozen=True)
+class Flags:
+    """A configuration the forward branches on in Python (never on data)."""
+
+    pre_norm: bool = True  # pre-norm blocks and a final norm, or post-norm blocks
+    gated: bool = True  # a sigmoid gate in every block
+    skip_every: int = 2  # the stem's output added after every n-th block (0: never)
+    aux: bool = True  # an extra head on the stem's output
+
+
+class FlagBlock(nn.Module):
+    def __init__(self, flags: Flags) -> None:
+        super().__init__()
+        self.flags = flags
+        self.norm, self.fc = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.gate = nn.Linear(WIDTH, WIDTH) if flags.gated else None
+
+    def forward(self, h: Tensor) -> Tensor:
+        y = self.fc(self.norm(h) if self.flags.pre_norm else h)
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(h))
+        h = h + torch.relu(y)
+        return h if self.flags.pre_norm else self.norm(h)
+
+
+class FlagNet(nn.Module):
+    def __init__(self, flags: Flags) -> None:
+        super().__init__()
+        self.flags = flags
+        self.embed = nn.Linear(CLASSES, WIDTH)
+        self.blocks = nn.ModuleList(FlagBlock(flags) for _ in range(3))
+        self.norm = nn.LayerNorm(WIDTH) if flags.pre_norm else None
+        self.head = nn.Linear(WIDTH, CLASSES)
+        self.aux = nn.Linear(WIDTH, CLASSES) if flags.aux else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = stem = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if self.flags.skip_every and i % self.flags.skip_every == 0:
+                h = h + stem
+        if self.flags.pre_norm:
+            h = self.norm(h)
+        out = self.head(h)
+        return out + self.aux(stem) if self.aux is not None else out
+
+
+class Tables(nn.Module):
+    """Constant tables (buffers kept out of the state dict) looked up by a string: called
+    once per kind, like Gemma 3's rotary embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("even", torch.linspace(0.5, 1.5, WIDTH), persistent=False)
+        self.register_buffer("odd", torch.linspace(-1.0, 1.0, WIDTH), persistent=False)
+        self.register_buffer("base", torch.full((WIDTH,), 0.75), persistent=False)
+
+    def forward(self, h: Tensor, kind: str) -> Tensor:  # base: read by every kind's layer
+        return torch.sigmoid(h) * getattr(self, kind) + self.base
+
+
+class Keyed(nn.Module):
+    """A block called with a string: export's record of a call takes no strings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor, scale: Tensor, kind: str) -> Tensor:
+        out = self.fc(h * scale)
+        return h + (torch.tanh(out) if kind == "even" else torch.relu(out))
+
+
+class TableNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.tables = nn.Linear(CLASSES, WIDTH), Tables()
+        self.blocks = nn.ModuleList([Keyed(), Keyed()])
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.stem(x)
+        scales = {kind: self.tables(h, kind) for kind in ("even", "odd")}
+        for i, block in enumerate(self.blocks):
+            kind = ("even", "odd")[i % 2]
+            h = block(h, scales[kind], kind)
+        return self.head(h)
+
+
+class Routed(nn.Module):
+    """A block whose branch depends on tensor values: no trace can enter it (opaque)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        if h.sum() > 0:
+            return torch.tanh(self.up(h)) * mask
+        return self.down(h)
+
+
+class RoutedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(CLASSES, WIDTH)
+        self.blocks = nn.ModuleList([Routed(), Routed()])
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h, mask[:, None])
+        return self.head(h)
+
+
 def gpt2(layers: int = 2) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
@@ -119,6 +245,10 @@ def gpt2(layers: int = 2) -> nn.Module:
 
 
 VOCAB, LENGTH, LABELS = 64, 8, 3
+MELS, FRAMES = 8, 16  # Whisper: mel bins, input frames (twice its positions)
+
+
+IMAGES = ("vit", "convnext", "swin")
 
 
 def zoo_model(name: str) -> nn.Module:
@@ -166,12 +296,56 @@ def zoo_model(name: str) -> nn.Module:
             encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
             decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
             attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1, **ids))
+    if name == "gemma":
+        return hf.GemmaForCausalLM(hf.GemmaConfig(**decoder, head_dim=8))
+    if name == "gemma3":  # one rotary embedding called per attention type
+        return hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(
+            **decoder, head_dim=8, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"]))
+    if name == "phi3":
+        return hf.Phi3ForCausalLM(hf.Phi3Config(**decoder, resid_pdrop=0.0, embd_pdrop=0.0))
+    if name == "gptj":
+        return hf.GPTJForCausalLM(hf.GPTJConfig(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids))
+    if name == "roberta":
+        return hf.RobertaForSequenceClassification(hf.RobertaConfig(
+            vocab_size=VOCAB, max_position_embeddings=40, type_vocab_size=1, num_labels=LABELS,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, **bert))
+    if name == "modernbert":  # global and local rotary: one module called per kind
+        return hf.ModernBertForSequenceClassification(hf.ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=32, num_labels=LABELS,
+            global_attn_every_n_layers=2, local_attention=4, embedding_dropout=0.0,
+            mlp_dropout=0.0, attention_dropout=0.0, classifier_dropout=0.0, **ids))
+    if name == "distilbert":
+        return hf.DistilBertForSequenceClassification(hf.DistilBertConfig(
+            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+            max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+            seq_classif_dropout=0.0, num_labels=LABELS, pad_token_id=0))
+    if name == "whisper":
+        return hf.WhisperForConditionalGeneration(hf.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=MELS, d_model=32, encoder_layers=2,
+            decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=FRAMES // 2,
+            max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, decoder_start_token_id=1, **ids))
+    if name == "convnext":
+        return hf.ConvNextForImageClassification(hf.ConvNextConfig(
+            num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
+            num_labels=LABELS, drop_path_rate=0.0))
+    if name == "swin":
+        return hf.SwinForImageClassification(hf.SwinConfig(
+            image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[1, 1],
+            num_heads=[2, 2], window_size=2, num_labels=LABELS, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
     assert name == "vit", name
     return hf.ViTForImageClassification(hf.ViTConfig(
         image_size=8, patch_size=4, num_channels=3, num_labels=LABELS, **bert))
 
 
-ZOO = ("llama", "mistral", "qwen2", "bert", "neox", "opt", "t5", "bart", "vit")
+ZOO = ("llama", "mistral", "qwen2", "bert", "neox", "opt", "t5", "bart", "vit", "gemma", "phi3",
+       "gptj", "roberta", "distilbert", "whisper", "convnext", "swin", "gemma3", "modernbert")
 
 
 def build(name: str) -> nn.Module:
@@ -182,7 +356,13 @@ def build(name: str) -> nn.Module:
         return zoo_model(name).double()
     if name == "mixtral":  # bfloat16: torch's grouped_mm traces only that (see docs/models.md)
         return zoo_model(name).to(torch.bfloat16)
-    model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2}[name]()
+    if name == "mixtral-fp32":  # its layers cannot be traced: opaque units
+        return zoo_model("mixtral").float()
+    if name.startswith("flags"):  # flags: the defaults; flags-post: every flag the other way
+        post = Flags(pre_norm=False, gated=False, skip_every=0, aux=False)
+        return FlagNet(post if name == "flags-post" else Flags()).double()
+    model = {"mlp": LoopMLP, "unet": UNet, "resnet": ResNet, "gpt2": gpt2,
+             "routed": RoutedNet, "tables": TableNet}[name]()
     return model.double() if name != "gpt2" else model
 
 
@@ -190,13 +370,19 @@ def _zoo_example(name: str, batch: int, gen: torch.Generator
                  ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
     """The documented call of each ``ZOO`` model: a padded attention mask, ``use_cache=False``
     where the model has a cache, ``token_type_ids`` for BERT, decoder ids for T5/BART."""
-    if name == "vit":
+    if name in IMAGES:
         images = torch.randn(batch, 3, 8, 8, generator=gen, dtype=torch.double)
         return (images,), {}, torch.randint(LABELS, (batch,), generator=gen)
     ids = torch.randint(2, VOCAB, (batch, LENGTH), generator=gen)
     mask = torch.ones(batch, LENGTH, dtype=torch.long)
     mask[0, :3] = 0  # left padding
     target = torch.randint(VOCAB, (batch, LENGTH), generator=gen)
+    if name == "whisper":
+        features = torch.randn(batch, MELS, FRAMES, generator=gen, dtype=torch.double)
+        dec = torch.randint(2, VOCAB, (batch, LENGTH), generator=gen)
+        return (features,), {"decoder_input_ids": dec, "use_cache": False}, target
+    if name in ("roberta", "distilbert", "modernbert"):
+        return (ids,), {"attention_mask": mask}, torch.randint(LABELS, (batch,), generator=gen)
     if name == "bert":
         types = torch.zeros(batch, LENGTH, dtype=torch.long)
         types[:, LENGTH // 2:] = 1
@@ -212,12 +398,18 @@ def example(name: str, batch: int = 6, step: int = 0
             ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
     """``(args, kwargs, target)`` of one batch for ``name``."""
     gen = torch.Generator().manual_seed(100 + step)
-    if name in ZOO or name == "mixtral":
+    if name in ZOO or name.startswith("mixtral"):
         return _zoo_example(name, batch, gen)
-    if name == "mlp":
+    if name.startswith("flags") or name == "tables":
+        x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
+        return (x,), {}, torch.randint(CLASSES, (batch,), generator=gen)
+    if name in ("mlp", "routed"):
         x = torch.randn(batch, CLASSES, generator=gen, dtype=torch.double)
         mask = (torch.rand(batch, generator=gen) > 0.2).double()
-        return (x,), {"mask": mask, "scale": 2.0}, torch.randint(CLASSES, (batch,), generator=gen)
+        target = torch.randint(CLASSES, (batch,), generator=gen)
+        if name == "routed":
+            return (x, mask), {}, target
+        return (x,), {"mask": mask, "scale": 2.0}, target
     if name in ("unet", "resnet"):
         x = torch.randn(batch, 3, 8, 8, generator=gen, dtype=torch.double)
         if name == "unet":
@@ -236,9 +428,9 @@ def loss_of(name: str) -> Any:
         return lambda out, y: F.cross_entropy(out[0], y)
     if name == "unet":
         return F.mse_loss
-    if name == "resnet":
+    if name in ("resnet", "routed", "tables") or name.startswith("flags"):
         return F.cross_entropy
-    if name in ("t5", "bart"):  # (logits, encoder_last_hidden_state)
+    if name in ("t5", "bart", "whisper"):  # (logits, encoder_last_hidden_state)
         return lambda out, y: _token_loss(out[0], y)
     return _token_loss
 
@@ -252,6 +444,6 @@ def model_loss(name: str, output: Any, target: Tensor) -> Tensor:
     """The same loss on the model's own output."""
     if name == "mlp":
         return F.cross_entropy(output["logits"], target)
-    if name in ("gpt2", "mixtral") or name in ZOO:
+    if name == "gpt2" or name.startswith("mixtral") or name in ZOO:
         return _token_loss(output.logits, target)
     return loss_of(name)(output, target)

@@ -3,7 +3,8 @@
 (three SGD steps, batch size changing, loss, every gradient and weight against the plain
 model; the ResNet with deferred BatchNorm under recomputation), a meta-built ResNet
 materialised from per-layer seeds, Hugging Face Llama (its head tied to the embedding
-across the ranks) under 1f1b, then a DCP checkpoint of the converted GPT-2 saved under one
+across the ranks), a model with opaque units and one whose glue reads constant tables
+on both ranks under 1f1b, then a DCP checkpoint of the converted GPT-2 saved under one
 balance, loaded under another and into the plain model by its own keys; on 3 ranks the
 U-Net under zb_h1 (a skip over the middle stage), the MLP under interleaved_1f1b, the
 ResNet, BART (the encoder's output skips to the decoder layers on two ranks) and GPT-2
@@ -107,6 +108,10 @@ def _two(rank: int, world: int, folder: str) -> None:
     failures = Failures(rank, DOUBLE)
     _train(world, "llama", to_sequential(build("llama"), *example("llama")[:2]), "1f1b",
            failures)
+    # opaque units (a branch on tensor values) on both ranks; constant tables the glue of
+    # both ranks reads, looked up by a string
+    for name in ("routed", "tables"):
+        _train(world, name, to_sequential(build(name), *example(name)[:2]), "1f1b", failures)
     failures.finish()
     failures = Failures(rank, DOUBLE)
     _checkpoint(rank, seq, folder, failures)

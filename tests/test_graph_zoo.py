@@ -1,8 +1,10 @@
 """``seqpipe.to_sequential`` on the models people hold: Hugging Face architectures from
 tiny configs (``graph_models.ZOO``: Llama, Mistral, Qwen2, BERT, GPT-NeoX, OPT, T5, BART,
-ViT; Mixtral in bfloat16), each with its documented call, trained through ``Pipe`` against
-the plain model (loss, every gradient and weight); their default units; a model that
-computes its own loss from ``labels=``. docs/models.md, "Models tested", lists them."""
+ViT, Gemma, Gemma 3, Phi-3, GPT-J, RoBERTa, DistilBERT and ModernBERT
+classifiers, Whisper, ConvNeXt, Swin; Mixtral in bfloat16, and in float32 through
+opaque units), each with its documented call, trained through ``Pipe`` against the plain
+model (loss, every gradient and weight); their default units; a model that computes its
+own loss from ``labels=``. docs/models.md, "Models tested", lists them."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,6 +14,7 @@ import torch
 from graph_check import close, train_both
 from graph_models import ZOO, build, example, loss_of
 from torch import Tensor
+from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 from seqpipe import Pipe
@@ -22,7 +25,9 @@ TOL = dict(atol=1e-10, rtol=1e-8)
 
 # units of each ZOO model by default (docs/models.md, "Models tested")
 ZOO_UNITS = {"llama": 6, "mistral": 6, "qwen2": 6, "bert": 6, "neox": 7, "opt": 6, "t5": 15,
-             "bart": 11, "vit": 5}
+             "bart": 11, "vit": 5, "gemma": 6, "phi3": 6, "gptj": 7, "roberta": 4,
+             "distilbert": 6, "whisper": 12, "convnext": 7, "swin": 7, "gemma3": 5,
+             "modernbert": 7}
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -104,3 +109,30 @@ def test_a_mixture_of_experts_in_bfloat16() -> None:
     bf16 = dict(atol=2e-3, rtol=1.6e-2)
     train_both("mixtral", step, dict(model.named_parameters()), plain, 2, close(bf16),
                batches=(6,))
+
+
+def test_a_mixture_of_experts_in_float32_through_opaque_layers() -> None:
+    # in float32 torch cannot trace grouped_mm (its fake kernel takes bfloat16 only): the
+    # decoder layers become opaque units, called as Mixtral's own layers and traced as one
+    # call each, the batch and (declared dynamic) the length following their inputs'; two
+    # steps, loss and every gradient and weight as the plain model's
+    model, plain = build("mixtral-fp32"), build("mixtral-fp32")
+    both = {0: Dim.AUTO, 1: Dim.AUTO}
+    seq = to_sequential(model, *example("mixtral-fp32")[:2], dynamic_shapes={
+        "input_ids": both, "attention_mask": both, "use_cache": None})
+    ids = torch.randint(2, 64, (3, 5))  # another batch and length
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    torch.testing.assert_close(seq(ids, attention_mask=mask, use_cache=False).logits,
+                               plain(ids, attention_mask=mask, use_cache=False).logits)
+    assert [(layer.unit, layer.opaque) for layer in seq] == [
+        ("model.embed_tokens", False), ("model.rotary_emb", False), ("model.layers.0", True),
+        ("model.layers.1", True), ("model.norm", False), ("lm_head", False)]
+    pipe = Pipe(seq, chunks=2, balance=[3, 3], devices=["cpu", "cpu"])
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                               loss_of("mixtral-fp32"), schedule="1f1b")
+
+    train_both("mixtral-fp32", step, dict(model.named_parameters()), plain, 2,
+               close(dict(atol=2e-5, rtol=1e-4)), batches=(6, 5))

@@ -34,12 +34,18 @@ __all__ = ["call_order", "dry_run", "module_stack", "is_stateful"]
 
 def is_stateful(module: nn.Module) -> bool:
     """Whether tracing ``module`` into glue would change what it does: it holds parameters
-    or buffers, or it behaves differently in train and eval mode in a way the glue cannot
-    follow (batch norm). (Dropout in the glue follows the mode: ``seqpipe.graph.mode``; so
-    a dropout module called twice, like T5's, is glue.)"""
-    if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
+    or buffers of the state dict, or it behaves differently in train and eval mode in a way
+    the glue cannot follow (batch norm). (Dropout in the glue follows the mode:
+    ``seqpipe.graph.mode``; so a dropout module called twice, like T5's, is glue. Buffers
+    kept out of the state dict, like a rotary embedding's tables computed in ``__init__``,
+    are constants the glue reads; Gemma 3 calls its rotary embedding once per attention
+    type. A glue that writes such a buffer is refused by ``to_sequential``.)"""
+    if next(module.parameters(), None) is not None:
         return True
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+        return True
+    return any(buffer is not None and key not in m._non_persistent_buffers_set
+               for m in module.modules() for key, buffer in m._buffers.items())
 
 
 @contextlib.contextmanager
@@ -104,6 +110,8 @@ def call_order(model: nn.Module, units: Dict[str, nn.Module], args: Tuple[Any, .
         with module_stack(model) as stack:
             try:
                 dry_run(model, args, kwargs)
+            except ConversionError:  # an opaque unit's own refusal: already explained
+                raise
             except Exception as exc:  # noqa: BLE001 - re-raised naming the module and line
                 raise explain(exc, list(stack), units) from exc
     finally:

@@ -2,14 +2,15 @@
 
 The steps, each in its own module: choose the units (``units``), run the model once to
 learn which units it calls and in what order (``calls``), trace it with the units kept
-as calls of the user's objects (``trace``), refuse glue that would silently change
+as calls of the user's objects (``trace``; a unit the trace cannot enter is made opaque and
+the two steps run again: ``opaque``), refuse glue that would silently change
 behaviour, cut the graph at the units and route the values between them (``cut``), and
 build one layer per unit (``unit``). See ``docs/models.md``.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -19,8 +20,9 @@ from torch import nn
 from seqpipe.distributed.ties import canonical_names
 from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
-from seqpipe.graph.errors import ConversionError
+from seqpipe.graph.errors import ConversionError, UntracedUnit, quiet_kernel_log
 from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS
+from seqpipe.graph.opaque import Opaque, stand_ins
 from seqpipe.graph.origin import Origin
 from seqpipe.graph.trace import trace
 from seqpipe.graph.unit import build_unit
@@ -76,6 +78,11 @@ def to_sequential(model: nn.Module, example_args: Any = (),
         **kwargs)``; read its output with ``seq.origin.rebuild(out)`` (``Pipe.forward`` and
         ``DistributedPipe.forward`` already return the model's structure).
 
+    A unit whose code the trace cannot enter (an op without a fake kernel for the dtype,
+    a branch on tensor values) is made opaque, with the units of its class: traced as one
+    call of the user's module, its output sizes learned by running it on zeros
+    (``seqpipe.graph.opaque``); its layer's ``opaque`` is True.
+
     Raises:
         ConversionError: a part of the model cannot be traced or cut; the message names
             the module, unit or line and the mend.
@@ -96,20 +103,54 @@ def to_sequential(model: nn.Module, example_args: Any = (),
                                             (args, kwargs))
         _warn_unloadable(model)
     found = check_units(model, units)
-    order = call_order(model, found, args, kwargs, explicit=units is not None)
-    traced = trace(model, args, kwargs, found, order, dynamic_shapes)
+    opaque = Opaque()
+    while True:  # a unit the trace cannot enter becomes opaque, and the trace starts again
+        try:
+            with stand_ins(found, opaque), quiet_kernel_log():
+                order = call_order(model, found, args, kwargs, explicit=units is not None)
+                traced = trace(model, args, kwargs, found, order, dynamic_shapes)
+            break
+        except UntracedUnit as exc:
+            if exc.unit in opaque:
+                raise
+            kind = type(found[exc.unit])  # its siblings run the same code: opaque at once
+            for name, module in found.items():
+                if type(module) is kind and name not in opaque:
+                    opaque.add(name, module, exc.reason)
     _check_glue(traced.graph_module, model, set(order))
     plan = plan_layers(traced.graph_module.graph, traced.units)
     ns = Namespace()
     persistent = set(model.state_dict().keys())
     layers = [build_unit(i, layer, traced.graph_module, plan.free, traced.device, ns,
-                         persistent) for i, layer in enumerate(plan.layers)]
+                         persistent, layer.unit in opaque) for i, layer in enumerate(plan.layers)]
+    _own_tables(layers, model, persistent)
     seq = ConvertedSequential(*layers)
     flat = pytree.tree_leaves((args, kwargs))
     seq.origin = Origin(type(model).__name__, traced.in_spec, traced.out_spec,
                         {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)},
                         canonical_names(model))
     return seq
+
+
+def _own_tables(layers: Sequence[nn.Module], model: nn.Module, persistent: Set[str]) -> None:
+    """A constant table the glue of several layers reads (a non-persistent buffer of a
+    module traced into the glue, which the glue never writes: ``_check_glue``) is copied
+    into each layer after the first that reads it, so that no buffer is shared by layers
+    that may sit on different stages (``DistributedPipe`` refuses a shared buffer: it
+    cannot keep a written one in step across ranks; a constant needs no keeping)."""
+    theirs = {id(m) for m in model.modules()}  # a unit's own buffers stay the model's
+    seen: Set[int] = set()
+    for layer in layers:
+        for path, module in layer.named_modules():
+            if id(module) in theirs:
+                continue
+            for key, buffer in list(module._buffers.items()):
+                name = f"{path}.{key}" if path else key
+                if buffer is None or name in persistent:
+                    continue
+                if id(buffer) in seen:
+                    module._buffers[key] = buffer.clone()
+                seen.add(id(buffer))
 
 
 def _warn_unloadable(model: nn.Module) -> None:
@@ -164,11 +205,38 @@ def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
                 f"{_where(path)} calls {op} in the traced glue between units, whose "
                 f"train/eval behaviour the trace would fix; make the module that calls it a "
                 f"unit (units=[...]), or write the nn.Sequential by hand")
+        written = _written_attribute(node)
+        if written is not None:  # a table read as a constant must stay one
+            raise ConversionError(
+                f"{_where(path)} writes {written!r} in the traced glue between units (an "
+                f"in-place {op}), which would run once per layer that computes it, and again "
+                f"when recomputed; make the module that writes it a unit (units=[...]), or "
+                f"write the nn.Sequential by hand")
         if path and path not in ancestors and is_stateful(owner) and path not in units:
             raise ConversionError(
                 f"module {path!r} ({type(owner).__name__}) holds parameters, buffers or "
                 f"train/eval behaviour but is not inside a unit, so the trace would take its "
                 f"work out of your module object; add it to units=[...] (or its parent)")
+
+
+def _written_attribute(node: fx.Node) -> Optional[str]:
+    """The parameter or buffer an in-place op of the glue writes (through views), if any."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return None
+    source = node.args[0] if node.args else None
+    while isinstance(source, fx.Node) and source.op == "call_function" and source.args \
+            and _is_view(source):
+        source = source.args[0]  # back through views (``buffer[0].add_(1)``)
+    if isinstance(source, fx.Node) and source.op == "get_attr":
+        return str(source.target)
+    return None
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and \
+        schema.returns[0].alias_info is not None
 
 
 def _where(path: str) -> str:

@@ -2,26 +2,32 @@
 
 Every refusal names what is wrong (the module, the unit, the operation, the line of the
 user's code) and says what to do: make the offending module a unit (``units=[...]``),
-change the example inputs, or write the ``nn.Sequential`` by hand. Code that cannot be
-traced is the exception: the whole forward is traced, units included, so no choice of
-units avoids it. A conversion never splits a model silently wrong.
+change the example inputs, or write the ``nn.Sequential`` by hand. Code the trace cannot
+follow inside a unit is no refusal: that unit becomes opaque (``UntracedUnit`` tells
+``to_sequential`` which, ``seqpipe.graph.opaque``). A conversion never splits a model
+silently wrong.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import traceback
-from typing import Collection, List, Optional
+from typing import Collection, Iterator, List, Optional
 
 import torch
 
-__all__ = ["ConversionError", "MEND", "TRACE_MEND", "explain", "user_frame"]
+__all__ = ["ConversionError", "MEND", "TRACE_MEND", "UntracedUnit", "explain",
+           "quiet_kernel_log", "user_frame"]
 
 MEND = ("make that module a unit (pass units=[...] naming it, or its parent), or write the "
         "nn.Sequential by hand (see docs/models.md)")
 
 
-TRACE_MEND = ("the whole forward, units included, is traced once (to record the units' "
-              "calls), so no choice of units= avoids it: make that code traceable by "
+TRACE_MEND = ("code outside every unit (the glue) is traced: make the module that runs it "
+              "a unit (units=[...] naming it; code of the model's own forward: move it into "
+              "a submodule), since a unit the trace cannot enter runs as an opaque call of "
+              "your module; or make that code traceable by "
               "torch.export(strict=False) on the example (a branch on tensor values as "
               "torch.where or torch.cond; another dtype or keyword argument, such as "
               "attn_implementation=, use_cache=False), or write the nn.Sequential by hand "
@@ -30,6 +36,16 @@ TRACE_MEND = ("the whole forward, units included, is traced once (to record the 
 
 class ConversionError(RuntimeError):
     """``to_sequential`` cannot turn the model into an ``nn.Sequential`` of units."""
+
+
+class UntracedUnit(ConversionError):
+    """The trace failed inside ``unit`` (``reason``, one line): ``to_sequential`` makes that
+    unit opaque and traces again (``seqpipe.graph.opaque``)."""
+
+    def __init__(self, message: str, unit: str, reason: str) -> None:
+        super().__init__(message)
+        self.unit = unit
+        self.reason = reason
 
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__),
@@ -68,6 +84,26 @@ def explain(exc: Exception, stack: List[str], units: Collection[str]) -> Convers
         kind = "data-dependent control flow (a branch or size that depends on tensor values)"
     else:
         kind = f"an operation that cannot be traced ({type(exc).__name__}: {text})"
-    inside = (f"the code runs inside unit {in_unit!r}: units run eagerly afterwards, but "
-              if in_unit is not None else "")
-    return ConversionError(f"cannot trace {where}{at}: {kind}. Mend: {inside}{TRACE_MEND}")
+    if in_unit is not None:  # made opaque by to_sequential; seen only if that fails too
+        return UntracedUnit(
+            f"cannot trace {where}{at}, inside unit {in_unit!r}, even as an opaque call: "
+            f"{kind}. Choose other units (units=[...]) or write the nn.Sequential by hand",
+            in_unit, f"{kind}, in {where}{at}")
+    return ConversionError(f"cannot trace {where}{at}: {kind}. Mend: {TRACE_MEND}")
+
+
+@contextlib.contextmanager
+def quiet_kernel_log() -> Iterator[None]:
+    """Keep torch's log of a fake kernel that failed (``failed while attempting to run meta
+    for aten._grouped_mm``, with its traceback) off stderr while the block runs: the failure
+    is raised, and explained or handled (``seqpipe.graph.opaque``) by ``to_sequential``."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)

@@ -14,11 +14,12 @@ passes ``dynamic_shapes`` (``torch.export``'s own argument, e.g. the sequence le
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -64,10 +65,12 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
     """Export ``model`` on the example and swap its units back in (see the module doc)."""
     if dynamic_shapes is None:
         dynamic_shapes = default_dynamic_shapes(model, args, kwargs)
-    with module_stack(model) as stack:
+    with module_stack(model) as stack, _texts_as_constants([units[n] for n in order]):
         try:
             program = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes,
                              preserve_module_call_signature=tuple(order))
+        except ConversionError:  # an opaque unit's own refusal: already explained
+            raise
         except Exception as exc:  # noqa: BLE001 - re-raised as a ConversionError naming the place
             raise explain(exc, list(stack), units) from exc
     signatures = {e.fqn: e.signature for e in program.module_call_graph if e.signature}
@@ -93,6 +96,31 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
     device = leaves[0].device if leaves else torch.device("cpu")
     return Traced(gm, program.call_spec.in_spec, program.call_spec.out_spec, list(order),
                   device)
+
+
+class Text(str):
+    """A string a unit is called with (Gemma 3's ``rotary_emb(x, ids, "sliding_attention")``),
+    carried in the structure of the unit's call (a pytree constant) rather than as one of
+    its flat inputs: export's record of a call takes tensors and numbers there, and fails
+    on a string. The unit's forward sees a ``str``."""
+
+
+pytree.register_constant(Text)
+
+
+@contextlib.contextmanager
+def _texts_as_constants(units: Sequence[nn.Module]) -> Iterator[None]:
+    """While the block runs, the strings each unit is called with are ``Text``s (a forward
+    pre-hook, registered before export registers its own)."""
+    def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        return pytree.tree_map(lambda v: Text(v) if type(v) is str else v, (args, kwargs))
+
+    handles = [unit.register_forward_pre_hook(pre, with_kwargs=True) for unit in units]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _swap(gm: fx.GraphModule, name: str, module: nn.Module,

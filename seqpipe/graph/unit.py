@@ -34,9 +34,10 @@ class Unit(nn.Module):
     stash_order: Tuple[str, ...] = ()
     pop_order: Tuple[str, ...] = ()
 
-    def __init__(self, unit: str) -> None:
+    def __init__(self, unit: str, opaque: bool = False) -> None:
         super().__init__()
         self.unit = unit
+        self.opaque = opaque  # traced as one call, never entered (``seqpipe.graph.opaque``)
         self._code: Callable[..., Tuple[Any, ...]] = _nothing  # generated: (self, *values)
         self._outputs = 0
 
@@ -52,7 +53,7 @@ class Unit(nn.Module):
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def extra_repr(self) -> str:
-        return f"unit={self.unit!r}"
+        return f"unit={self.unit!r}" + (", opaque" if self.opaque else "")
 
 
 def _nothing(self: nn.Module, *args: Any) -> Tuple[Any, ...]:
@@ -60,7 +61,8 @@ def _nothing(self: nn.Module, *args: Any) -> Tuple[Any, ...]:
 
 
 def build_unit(index: int, layer: Layer, root: fx.GraphModule, free: Set[fx.Node],
-               device: torch.device, ns: Namespace, persistent: Set[str]) -> Unit:
+               device: torch.device, ns: Namespace, persistent: Set[str],
+               opaque: bool = False) -> Unit:
     """The ``Unit`` for ``layer``: generate its code and adopt the objects it uses.
 
     ``persistent`` are the model's own ``state_dict()`` keys: a tensor the trace added
@@ -113,7 +115,7 @@ def build_unit(index: int, layer: Layer, root: fx.GraphModule, free: Set[fx.Node
         type(f"Unit{index}", (Unit,), {"__module__": __name__}))
     cls.stash_order = tuple(n for n, _ in layer.stashes)
     cls.pop_order = tuple(n for n, _ in layer.pops)
-    unit = cls(layer.unit)
+    unit = cls(layer.unit, opaque)
     for attr in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
         setattr(unit, attr, getattr(code, attr))  # the objects the code reads, at their paths
     for node in graph.nodes:  # and the pytree specs it reads: constants of the class

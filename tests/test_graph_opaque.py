@@ -1,0 +1,128 @@
+"""Opaque units (``seqpipe.graph.opaque``): a unit whose code the trace cannot enter (a
+branch on tensor values; Mixtral's float32 ``grouped_mm`` in ``test_graph_zoo.py``) runs
+as the user's module, traced as one call whose output sizes are learned by running it on
+zeros. It trains exactly, its batch stays dynamic, learning its sizes changes nothing of
+the model's state, and what cannot be learned is refused naming the unit and the mend."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from graph_check import close, train_both
+from graph_models import WIDTH, Routed, RoutedNet, build, example, loss_of
+from torch import Tensor, nn
+
+from seqpipe import Pipe
+from seqpipe.graph import ConversionError, to_sequential
+
+TOL = dict(atol=1e-10, rtol=1e-8)
+
+
+def test_a_unit_the_trace_cannot_enter_runs_as_an_opaque_call_and_trains_exactly() -> None:
+    # blocks.0 fails to trace (``if h.sum() > 0``); its sibling of the same class is made
+    # opaque with it, in one retry. Both branches are taken in the steps (batches 6, 5, 4
+    # in micro-batches of 2 and 3: the batch stays dynamic), loss and every gradient and
+    # weight as the plain model's
+    model, plain = build("routed"), build("routed")
+    args, kwargs, _ = example("routed")
+    seq = to_sequential(model, args, kwargs)
+    assert [(layer.unit, layer.opaque) for layer in seq] == [
+        ("stem", False), ("blocks.0", True), ("blocks.1", True), ("head", False)]
+    assert "unit='blocks.0', opaque" in repr(seq[1])
+    for sign in (1.0, -1.0):  # each branch, called as the model
+        x = sign * torch.ones(3, 5, dtype=torch.double)
+        mask = torch.ones(3, dtype=torch.double)
+        torch.testing.assert_close(seq(x, mask), plain(x, mask), **TOL)
+    pipe = Pipe(seq, chunks=2, balance=[2, 2], devices=["cpu", "cpu"])
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                               loss_of("routed"), schedule="1f1b")
+
+    train_both("routed", step, dict(model.named_parameters()), plain, 2, close(TOL))
+
+
+class Noisy(Routed):
+    """An opaque unit with state a run would change: BatchNorm statistics, dropout's RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.drop = nn.BatchNorm1d(WIDTH), nn.Dropout(0.5)
+
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        return self.drop(self.norm(super().forward(h, mask)))
+
+
+class Flat(Routed):
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:  # (batch * WIDTH,): no input size
+        return super().forward(h, mask).flatten()
+
+
+class FlatNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.flat = nn.Linear(5, WIDTH), Flat()
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.flat(self.stem(x), mask[:, None])
+
+
+class Picky(Flat):
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:  # the rows its values pick
+        out = Routed.forward(self, h, mask)
+        return out[out[:, 0] > 0]
+
+
+class Fragile(Routed):
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        out = super().forward(h, mask)
+        if not bool(mask.any()):
+            raise ValueError("an all-zero mask")
+        return out
+
+
+def test_learning_an_opaque_units_sizes_changes_nothing_and_what_it_cannot_is_refused() -> None:
+    args, _, _ = example("routed")
+    model = build("routed")
+    model.blocks[1] = Noisy().double()
+    rng = torch.get_rng_state()
+    seq = to_sequential(model, args)
+    # the probes ran the unit in train mode on zeros: its statistics and the RNG are intact
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.blocks[1].norm.num_batches_tracked.item() == 0
+    assert torch.equal(model.blocks[1].norm.running_mean, torch.zeros(WIDTH, dtype=torch.double))
+    model.eval()
+    torch.testing.assert_close(seq(*args), model(*args), **TOL)
+
+    with pytest.raises(ConversionError, match=r"output 0 of unit 'flat' \(which cannot be "
+                                              r"traced: it runs as an opaque call\) has a size "
+                                              r"in dim 0 \(96\) that is no size of its inputs.*"
+                                              r"Choose units whose outputs keep"):
+        to_sequential(FlatNet().double(), args)
+    picky = FlatNet().double()
+    picky.flat = Picky().double()
+    with torch.no_grad():
+        picky.flat.down.bias.zero_()  # on zeros no row is picked, on other values some
+    with pytest.raises(ConversionError, match=r"output 0 of unit 'flat' .* has sizes that "
+                                              r"depend on its input values \(\(0, 16\) on "
+                                              r"zeros, \(\d+, 16\) on other values\)"):
+        to_sequential(picky, args)
+    model.blocks[1] = Fragile().double()
+    with pytest.raises(ConversionError, match=r"unit 'blocks.1' cannot be traced \(data-"
+                                              r"dependent control flow.*in module 'blocks.1' at "
+                                              r".*graph_models.py:\d+ \(if h.sum\(\) > 0:\)\), "
+                                              r"and running it on zeros to learn its output "
+                                              r"sizes failed too \(ValueError: an all-zero "
+                                              r"mask\)"):
+        to_sequential(model, args)
+
+    with torch.device("meta"):
+        lazy = RoutedNet().double()
+    with pytest.raises(ConversionError, match=r"unit 'blocks.0' cannot be traced .*built on "
+                                              r"meta it cannot run. Build 'blocks.0' on a real "
+                                              r"device before converting"):
+        to_sequential(lazy, args)
+    lazy.blocks = nn.ModuleList([Routed(), Routed()]).double()  # the mend: real, opaque
+    seq = to_sequential(lazy, args)
+    assert [layer.opaque for layer in seq] == [False, True, True, False]
