@@ -126,3 +126,39 @@ def test_learning_an_opaque_units_sizes_changes_nothing_and_what_it_cannot_is_re
     lazy.blocks = nn.ModuleList([Routed(), Routed()]).double()  # the mend: real, opaque
     seq = to_sequential(lazy, args)
     assert [layer.opaque for layer in seq] == [False, True, True, False]
+
+
+class Clipped(Routed):
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:  # the rows without a huge value
+        return super().forward(h, mask)[h.abs().amax(1) < 100]
+
+
+class MeanNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.clip, self.head = nn.Linear(5, WIDTH), Clipped(), nn.Linear(WIDTH, 5)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        kept = self.clip(self.stem(x), mask[:, None])
+        return self.head(kept.sum(0) / kept.shape[0])  # the glue reads the rows kept
+
+
+def test_an_opaque_unit_whose_sizes_follow_values_both_probes_missed_fails_when_it_runs() -> None:
+    # on zeros and on seeded random values every row is kept, so the conversion infers
+    # (batch, 16); the traced glue then divides by the batch. A huge row drops out at run
+    # time: without the check the converted model's mean was silently wrong (divided by
+    # 3, not 2); now the call names the unit, the output and both sizes, at this batch
+    model = MeanNet().double()
+    args, _, _ = example("routed")
+    seq = to_sequential(model, args)
+    assert [layer.opaque for layer in seq] == [False, True, False]
+    x, mask = torch.randn(3, 5, dtype=torch.double), torch.ones(3, dtype=torch.double)
+    torch.testing.assert_close(seq(x, mask), model(x, mask), **TOL)  # another batch: fine
+    x[1] = 1e4
+    model(x, mask)  # the model itself runs: the mean of the 2 rows kept
+    with pytest.raises(ValueError, match=r"output 0 of unit 'clip' \(which cannot be traced: "
+                                         r"it runs as an opaque call\) has sizes \(2, 16\), "
+                                         r"but to_sequential inferred \(3, 16\) for these "
+                                         r"input sizes .*depend on its input values.*Choose "
+                                         r"units whose outputs keep their inputs' sizes"):
+        seq(x, mask)

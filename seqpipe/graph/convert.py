@@ -108,7 +108,8 @@ def to_sequential(model: nn.Module, example_args: Any = (),
         try:
             with stand_ins(found, opaque), quiet_kernel_log():
                 order = call_order(model, found, args, kwargs, explicit=units is not None)
-                traced = trace(model, args, kwargs, found, order, dynamic_shapes)
+                traced = trace(model, args, kwargs, found, order, dynamic_shapes,
+                               opaque.reasons)
             break
         except UntracedUnit as exc:
             if exc.unit in opaque:

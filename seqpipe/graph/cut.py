@@ -27,8 +27,11 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 
 from seqpipe.graph.errors import ConversionError
+from seqpipe.graph.opaque import check_sizes
 
 __all__ = ["Layer", "Plan", "plan_layers"]
+
+_FLAT = (fx_pytree.tree_flatten_spec, check_sizes)  # a unit's flat outputs
 
 
 @dataclass
@@ -80,13 +83,12 @@ def plan_layers(graph: fx.Graph, units: List[str]) -> Plan:
         else:
             users = [last if u is output else where[u] for u in node.users if u not in free]
             where[node] = min(users) if users else _check_place(node, earliest, where, free)
-    for node in nodes:  # a unit's output plumbing stays in the unit's layer
-        if node.op == "call_function" and node.target in (fx_pytree.tree_flatten_spec,
-                                                          operator.getitem):
+    for node in nodes:  # a unit's output plumbing (and its sizes' check) stays in its layer
+        if node.op == "call_function" and node.target in (*_FLAT, operator.getitem):
             source = node.args[0]
             if isinstance(source, fx.Node) and source in where and (
                     source.op == "call_module" and source.target in index
-                    or source.target is fx_pytree.tree_flatten_spec):
+                    or source.target in _FLAT):
                 where[node] = where[source]
     for node, layer in where.items():
         if layer < earliest[node]:

@@ -21,11 +21,19 @@ neither constant nor equal to an input size (the mend: choose units whose output
 their inputs' sizes), a module that fails on zeros, one built on ``meta`` (it cannot run).
 An output size that depends on the inputs' values (rows a boolean mask picks) is refused
 when a second run at the example's sizes, on seeded random values, gives other sizes.
+
+Values that pick the same sizes in both runs slip through the conversion, so the converted
+model checks at run time (``check_sizes``, put after each opaque call by ``trace``): each
+tensor output must have the sizes inferred, evaluated on the call's actual input
+sizes; else a ``ValueError`` names the unit, the output, both sizes and the mend, instead
+of glue that computes with the inferred sizes (a mean divided by the batch, not by the
+rows the unit kept) silently wrong, or fails somewhere after with no name. It reads a few
+sizes: about a microsecond per call (``docs/models.md``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import sympy
 import torch
@@ -38,7 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from seqpipe.graph.errors import ConversionError
 
-__all__ = ["Opaque", "stand_ins"]
+__all__ = ["Opaque", "check_sizes", "size_plan", "stand_ins"]
 
 
 class Opaque:
@@ -261,3 +269,60 @@ def _fake_outputs(name: str, flat: List[Any], probes: List[Dict[Any, int]],
             shape.append(match)  # the first input size that agrees at every probe
         leaves.append(torch.empty(shape, dtype=first.dtype, device=device or first.device))
     return pytree.tree_unflatten(leaves, out_spec)
+
+
+Size = Union[int, Tuple[int, int], None]  # a constant; (input, dim), dim -1: the input itself
+SizePlan = Tuple[Tuple[int, Tuple[Size, ...]], ...]  # (output, its sizes) per tensor output
+
+
+def size_plan(inputs: Sequence[Any], outputs: Dict[int, Any]) -> SizePlan:
+    """Where each size of an opaque call's tensor outputs comes from, as ``check_sizes``
+    reads it: ``inputs`` are the call's flat inputs and ``outputs`` its flat outputs by
+    index, as traced (fake tensors, symbolic sizes). An output size is a constant or the
+    first input size with the same expression (``_fake_outputs`` wrote it so); one that
+    is neither (None) is left unchecked."""
+    found: Dict[Any, Tuple[int, int]] = {}
+    for j, value in enumerate(inputs):
+        sizes = enumerate(value.shape) if isinstance(value, torch.Tensor) else [(-1, value)]
+        for dim, size in sizes:
+            if isinstance(size, torch.SymInt):
+                found.setdefault(size.node.expr, (j, dim))
+    plan = []
+    for index, value in sorted(outputs.items()):
+        if isinstance(value, torch.Tensor):
+            plan.append((index, tuple(found.get(s.node.expr) if isinstance(s, torch.SymInt)
+                                      else int(s) for s in value.shape)))
+    return tuple(plan)
+
+
+def check_sizes(flat: List[Any], inputs: List[Any], plan: SizePlan, unit: str) -> List[Any]:
+    """``flat`` (the opaque call's flat outputs), once every output in ``plan`` has the
+    sizes inferred when converting, evaluated on ``inputs`` (the call's flat inputs)."""
+    for index, sizes in plan:
+        actual = flat[index].shape
+        if len(actual) != len(sizes):
+            _mismatch(unit, index, tuple(actual), inputs, sizes)
+        for dim, size in enumerate(sizes):  # a plain loop: this runs at every call
+            if size is not None and actual[dim] != (
+                    size if type(size) is int else _size(inputs, size)):
+                _mismatch(unit, index, tuple(actual), inputs, sizes)
+    return flat
+
+
+def _size(inputs: List[Any], at: Tuple[int, int]) -> int:
+    value = inputs[at[0]]
+    return value if at[1] < 0 else value.shape[at[1]]
+
+
+def _mismatch(unit: str, index: int, actual: Tuple[int, ...], inputs: List[Any],
+              sizes: Tuple[Size, ...]) -> None:
+    inferred = tuple("?" if s is None else s if type(s) is int else _size(inputs, s)
+                     for s in sizes)
+    raise ValueError(
+        f"output {index} of unit {unit!r} (which cannot be traced: it runs as an opaque "
+        f"call) has sizes {actual}, but to_sequential inferred {inferred} for these input "
+        f"sizes (by running it on zeros and on seeded random values when converting): its "
+        f"output sizes depend on its input values, and the glue after it was traced with "
+        f"the inferred ones. Choose units whose outputs keep their inputs' sizes, or make "
+        f"the code that reads that output part of the unit (units=[...] naming a parent), "
+        f"or write the nn.Sequential by hand")

@@ -19,7 +19,7 @@ import inspect
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -33,6 +33,7 @@ from torch.fx.passes.tools_common import legalize_graph
 
 from seqpipe.graph.calls import module_stack
 from seqpipe.graph.errors import MEND, ConversionError, explain
+from seqpipe.graph.opaque import check_sizes, size_plan
 
 __all__ = ["Traced", "trace"]
 
@@ -61,8 +62,9 @@ def default_dynamic_shapes(model: nn.Module, args: Tuple[Any, ...],
 
 def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
           units: Dict[str, nn.Module], order: Sequence[str],
-          dynamic_shapes: Optional[Any]) -> Traced:
-    """Export ``model`` on the example and swap its units back in (see the module doc)."""
+          dynamic_shapes: Optional[Any], opaque: Collection[str] = ()) -> Traced:
+    """Export ``model`` on the example and swap its units back in (see the module doc);
+    the output sizes of each unit in ``opaque`` are checked when it runs."""
     if dynamic_shapes is None:
         dynamic_shapes = default_dynamic_shapes(model, args, kwargs)
     with module_stack(model) as stack, _texts_as_constants([units[n] for n in order]):
@@ -86,7 +88,7 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
         renamed: Dict[str, fx.Node] = {}
         for name in order:
-            _swap(gm, name, units[name], signatures[name], renamed)
+            _swap(gm, name, units[name], signatures[name], renamed, name in opaque)
     _drop_unused(gm.graph)
     if isinstance(getattr(gm, _GUARDS, None), nn.Module):
         setattr(gm, _GUARDS, InputGuards(getattr(gm, _GUARDS)))
@@ -124,9 +126,10 @@ def _texts_as_constants(units: Sequence[nn.Module]) -> Iterator[None]:
 
 
 def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
-          signature: ModuleCallSignature, renamed: Dict[str, fx.Node]) -> None:
+          signature: ModuleCallSignature, renamed: Dict[str, fx.Node], opaque: bool) -> None:
     """Replace unit ``name``'s traced region of ``gm`` by a call of ``module`` itself;
-    ``renamed`` maps the names of earlier units' replaced outputs to what replaced them."""
+    ``renamed`` maps the names of earlier units' replaced outputs to what replaced them;
+    an ``opaque`` unit's call is followed by the check of its output sizes."""
     graph = gm.graph
     nodes = [n for n in graph.nodes if _innermost_unit(n, name)]
     by_name = {n.name: n for n in graph.nodes}
@@ -155,6 +158,11 @@ def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
     flat = graph.call_function(fx_pytree.tree_flatten_spec, (call, graph.get_attr(out_name)))
     outputs = {arg.name: i for i, arg in enumerate(signature.outputs)
                if not isinstance(arg, ConstantArgument)}
+    if opaque:  # its output sizes were inferred: checked at run time (``opaque``)
+        traced = {outputs[n.name]: n.meta.get("val") for n in nodes if n.name in outputs}
+        plan = size_plan([v.meta.get("val") if isinstance(v, fx.Node) else v for v in leaves],
+                         traced)
+        flat = graph.call_function(check_sizes, (flat, list(leaves), plan, name))
     inside = set(nodes)
     for node in nodes:
         if node.name in outputs:
