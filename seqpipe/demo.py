@@ -159,7 +159,8 @@ def _print_schedule(schedule: str, ranks: int, chunks: int, row: str) -> None:
     rows are ``row``s (a local Pipe's threads, or processes' ranks)."""
     plan = simulate(schedule, ranks, chunks)
     print(f"schedule {schedule!r}, {num_stages(schedule, ranks)} stages x {chunks} "
-          f"micro-batches (equal costs; bubble {plan.bubble_fraction:.0%}):")
+          f"micro-batches (equal stages; a column is a forward, a backward takes two; "
+          f"bubble {plan.bubble_fraction:.0%}):")
     print(plan.chart(label=row))
 
 
@@ -301,16 +302,26 @@ def run_gpt2(args: argparse.Namespace) -> float:
     model = TinyGPT()
     sample = next(make_tokens(1, max(2, args.batch), args.seed))[0]
     seq = to_sequential(model, (sample,))
+    device = torch.device(devices[0])
+
+    def loss_fn(logits: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def data(steps: int) -> Iterator[Tuple[Tensor, Tensor]]:
+        return make_tokens(steps, args.batch, args.seed + 1)
+
+    rates = [unpipelined_rate(model, device, args, 10, data=data, loss_fn=loss_fn, **work)
+             for work in ({}, {"chunks": args.chunks, "checkpoint": args.checkpoint})]
     pipe = local_pipe(seq, sample, partitions, devices, args)
     print(f"seqpipe demo: TinyGPT converted by to_sequential into {len(seq)} layers, "
           f"balance={pipe.balance} (by {args.balance_by}) over "
           f"{[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(seq, pipe.balance, pipe.devices, "partition")
-    return train_locally(pipe, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                         lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+    print_baselines(*rates, device, pipe.devices, args)
+    return train_locally(pipe, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
                          make_tokens(args.steps, args.batch, args.seed), args,
-                         threads=partitions)
+                         threads=partitions, baseline=rates[0])
 
 
 def run_distributed(args: argparse.Namespace) -> float:

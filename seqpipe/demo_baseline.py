@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from typing import Iterator, Sequence, Tuple
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -35,19 +35,25 @@ def make_data(steps: int, batch: int, num_classes: int = 10, noise: float = 1.0,
         yield images, labels
 
 
-def unpipelined_rate(model: nn.Sequential, device: torch.device, args: argparse.Namespace,
-                     steps: int = 3, *, chunks: int = 1, checkpoint: str = "never") -> float:
+def unpipelined_rate(model: nn.Module, device: torch.device, args: argparse.Namespace,
+                     steps: int = 3, *, chunks: int = 1, checkpoint: str = "never",
+                     data: Optional[Callable[[int], Iterator[Tuple[Tensor, Tensor]]]] = None,
+                     loss_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> float:
     """Samples/s of a copy of ``model``, unpipelined on ``device``, over ``steps`` steps
     (after one warm-up) of the demo's data: what pipelining is compared with.
 
     With ``chunks`` and ``checkpoint``, each mini-batch runs as the pipeline runs it, one
     micro-batch after another with the same recomputation (``torch.utils.checkpoint``), but
-    still unpipelined: the same work without the pipeline, to tell its price from theirs."""
+    still unpipelined: the same work without the pipeline, to tell its price from theirs.
+    ``data(n)``: ``n`` mini-batches of another model's data (default: the CNN's images),
+    and ``loss_fn`` its loss (default: cross-entropy)."""
     plain = copy.deepcopy(model).to(device)
     optimizer = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = nn.CrossEntropyLoss() if loss_fn is None else loss_fn
+    batches = (make_data(steps + 1, args.batch, seed=1) if data is None
+               else data(steps + 1))
     start, seen = 0.0, 0
-    for step, (images, labels) in enumerate(make_data(steps + 1, args.batch, seed=1)):
+    for step, (images, labels) in enumerate(batches):
         if step == 1:
             start = time.perf_counter()
         optimizer.zero_grad()

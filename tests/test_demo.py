@@ -131,6 +131,7 @@ def test_gpt2_tiny_is_converted_and_learns(capsys: pytest.CaptureFixture) -> Non
     out = capsys.readouterr().out
     assert "TinyGPT converted by to_sequential into 8 layers" in out
     assert "partition 0 on cpu: tok, pos, blocks.0" in out  # units by their names
+    assert "unpipelined on cpu: " in out and "nan" not in out  # the plain TinyGPT's rate
     first = float(out.split("step   1/12  loss ")[1].split()[0])
     assert loss < first - 1.0, (first, loss)  # ln(32) = 3.47 at first: it learns
 

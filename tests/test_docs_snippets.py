@@ -41,6 +41,7 @@ GIVEN: Dict[str, str] = {
 
 # (page, a line of the block) -> why it does not run in this test.
 _PROCESSES = "needs a process group of several ranks (torchrun); tests/test_distributed*.py"
+_SCRIPT = "a whole script for two ranks: test_two_rank_scripts_run runs it"
 _GPUS = "needs two GPUs (tests/test_cuda.py runs Pipe on GPUs)"
 _OUTLINE = "an outline: `nn.Sequential(...)` or `...` stands for the reader's model"
 SKIP: Dict[Tuple[str, str], str] = {
@@ -55,7 +56,7 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/checkpointing.md", 'save(pipe, optimizer, "ckpt/step-1000")'): _PROCESSES,
     ("docs/checkpointing.md", "gather_full_state_dict(pipe, dst=0)"): _PROCESSES,
     ("docs/checkpointing.md", "dcp.save({\"model\": model_sd"): _PROCESSES,
-    ("docs/distributed.md", "# train_pipe.py"): _PROCESSES,
+    ("docs/distributed.md", "# train_pipe.py"): _SCRIPT,
     ("docs/distributed.md", "pipe = DistributedPipe(model, chunks=2)"): _PROCESSES,
     ("docs/distributed.md", "from seqpipe.seeding import seed_layers"): _PROCESSES,
     ("docs/distributed.md", "loss_fn, count_fn=count_fn)"): _PROCESSES,
@@ -63,19 +64,19 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/distributed.md", "pipe.eval()\nout = pipe(x if pipe.is_first else None)   # the "
                             "output on the last stage, None on the others"): _PROCESSES,
     ("docs/distributed.md", "import torch.distributed.checkpoint as dcp"): _PROCESSES,
-    ("docs/distributed.md", "# torchrun --nproc-per-node=2 tied.py"): _PROCESSES,
+    ("docs/distributed.md", "# torchrun --nproc-per-node=2 tied.py"): _SCRIPT,
     ("docs/distributed.md", 'schedule="zbv")'): _PROCESSES,
     ("docs/distributed.md", "class ForwardOrderDrain:"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_dp.py"): _PROCESSES,
-    ("docs/distributed.md", "# torchrun --nproc-per-node=2 amp.py"): _PROCESSES,
+    ("docs/distributed.md", "# torchrun --nproc-per-node=2 amp.py"): _SCRIPT,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_fsdp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_hsdp.py"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=8 pp_dp_tp.py"): _PROCESSES,
     ("docs/distributed.md", "bucket_cap_mb=4,"): _PROCESSES,
     ("docs/distributed.md", "# torchrun --nproc-per-node=4 pp_sp.py"): _PROCESSES,
     ("docs/models.md", 'model = GPT2LMHeadModel.from_pretrained("gpt2")'):
-        "downloads GPT-2's weights and needs two GPUs; tests/test_graph.py converts a GPT-2 "
-        "built from a small config",
+        "downloads GPT-2's weights and needs two GPUs; test_gpt2_in_five_lines runs it on a "
+        "narrow GPT-2 of the same depth",
     ("docs/models.md", "model = torchvision.models.resnet50()"):
         "needs torchvision and a process group; tests/test_graph*.py convert a ResNet",
     ("docs/models.md", "model = MyModel()                                   # nothing allocated"):
@@ -92,7 +93,7 @@ SKIP: Dict[Tuple[str, str], str] = {
     ("docs/pipe.md", "balance=[12, 12], devices="): _GPUS,
     ("docs/pipe.md", 'loss = pipe.train_step(x, y, nn.functional.cross_entropy, schedule="1f1b")'):
         _GPUS,
-    ("docs/pipe.md", "del ddp"): _PROCESSES,
+    ("docs/pipe.md", "del ddp"): _SCRIPT,
     ("docs/pipe.md", "ddp.module.train_step("): _PROCESSES,
     ("docs/schedules.md", "schedule=Auto(max_live_microbatches=3)"): _PROCESSES,
 }
@@ -132,3 +133,58 @@ def test_page_snippets_run(page: str, tmp_path: pathlib.Path,
         if _skip_entry(page, source) is None:
             torch.manual_seed(0)
             exec(code, namespace)
+
+
+TWO_RANKS = re.compile(r"torchrun --nproc-per-node=2 (\w+\.py)")
+
+
+def two_rank_scripts() -> Dict[str, Tuple[str, str]]:
+    """The docs' whole scripts for two ranks (a block whose first line says ``torchrun
+    --nproc-per-node=2 NAME.py``): NAME.py -> (page, source)."""
+    return {m.group(1): (page, source) for page in PAGES for _, source in _blocks(page)
+            if (m := TWO_RANKS.search(source.splitlines()[0]))}
+
+
+def _run_scripts(rank: int, world_size: int) -> None:
+    """Each script as written, in turn, on the harness's process group: its own
+    ``init_process_group`` and ``destroy_process_group`` calls stand for that group's."""
+    import torch.distributed as dist
+
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+    dist.init_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
+    dist.destroy_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        for page, source in two_rank_scripts().values():
+            torch.manual_seed(0)
+            exec(compile(source, str(ROOT / page), "exec"), {"__name__": "__main__"})
+    finally:
+        dist.init_process_group, dist.destroy_process_group = init, destroy
+
+
+def test_two_rank_scripts_run() -> None:
+    """distributed.md's quick start, tied weights and mixed precision scripts and pipe.md's
+    ``DistributedDataParallel(Pipe)``, copied as they are, train on two ranks (one launch
+    for all)."""
+    from distributed_harness import run_workers
+
+    assert sorted(two_rank_scripts()) == ["amp.py", "ddp_pipe.py", "tied.py", "train_pipe.py"]
+    run_workers(_run_scripts, 2, timeout=120)
+
+
+def test_gpt2_in_five_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """models.md's GPT-2 example, on the CPU and with GPT-2's twelve blocks made narrow
+    (its weights are a download): it converts, its ``balance`` fits, and it trains a step."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    narrow = GPT2Config(n_embd=16, n_head=2, n_layer=12, vocab_size=64, n_positions=16,
+                        bos_token_id=0, eos_token_id=0)
+    monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained",
+                        classmethod(lambda cls, name: cls(narrow)))
+    [source] = [source for _, source in _blocks("docs/models.md")
+                if 'GPT2LMHeadModel.from_pretrained("gpt2")' in source]
+    assert '["cuda:0", "cuda:1"]' in source
+    ids = torch.randint(64, (2, 4))  # two micro-batches of chunks=8: a cheap step
+    namespace: Dict[str, object] = {"ids": ids, "mask": torch.ones_like(ids),
+                                    "labels": torch.randint(64, (2, 4))}
+    exec(source.replace('["cuda:0", "cuda:1"]', '["cpu", "cpu"]'), namespace)
+    assert torch.isfinite(namespace["loss"]).item()  # type: ignore[call-overload]

@@ -25,9 +25,14 @@ def stage_threads() -> list:
 
 # -- construction ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("module", [nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)])])
-def test_module_must_be_a_sequential(module):
-    with pytest.raises(TypeError, match=rf"needs an nn\.Sequential, got {type(module).__name__}"):
+@pytest.mark.parametrize("module, mend", [
+    (nn.Linear(2, 2), r"seqpipe\.to_sequential\(model, \(example_input,\)\) \(docs/models\.md\)"),
+    (nn.ModuleList([nn.Linear(2, 2)]), r"put its layers in nn\.Sequential\(\*layers\)$")])
+def test_module_must_be_a_sequential(module, mend):
+    """A model with its own forward is pointed at ``to_sequential``; a list of layers at
+    ``nn.Sequential``."""
+    with pytest.raises(TypeError, match=rf"needs an nn\.Sequential, got {type(module).__name__}; "
+                                        rf".*{mend}"):
         Pipe(module)
 
 

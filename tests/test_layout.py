@@ -10,12 +10,15 @@ functions and under ``TYPE_CHECKING`` alike) and must respect the layering:
   ``seqpipe.skip`` and ``seqpipe.balance`` import no engine and of the core only its data
   modules (``CORE_DATA``), never its runtime; ``seqpipe.trace`` imports only schedules;
 * no import cycle among seqpipe modules, lazy imports included;
-* no module over 400 lines.
+* no module over 400 lines;
+* docs/index.md's package map has exactly one row per module, and no row for a module
+  that does not exist (so the map stays complete as modules come and go).
 """
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
@@ -23,6 +26,7 @@ import pytest
 import seqpipe
 
 ROOT = pathlib.Path(seqpipe.__file__).parent
+INDEX = pathlib.Path(__file__).resolve().parent.parent / "docs" / "index.md"
 MAX_LINES = 400
 FACE = {"seqpipe", "seqpipe.pipe", "seqpipe.demo", "seqpipe.__main__", "seqpipe.launch",
         "seqpipe._moved"}
@@ -236,3 +240,69 @@ def test_a_cycle_through_a_type_checking_import_is_found() -> None:
 @pytest.mark.parametrize("lines, over", [(MAX_LINES, False), (MAX_LINES + 1, True)])
 def test_the_line_limit(lines: int, over: bool) -> None:
     assert (("x = 1\n" * lines).count("\n") > MAX_LINES) is over
+
+
+MAP_ROW = re.compile(r"^\| `(seqpipe[\w.]*)` \|(.*)\|\s*$")
+
+
+def map_rows(index: str) -> List[Tuple[str, str]]:
+    """The rows of the "Package map" section of docs/index.md: (module, what it holds)."""
+    section = index.split("\n## Package map\n", 1)[1].split("\n## ", 1)[0]
+    return [(m.group(1), m.group(2).strip()) for line in section.splitlines()
+            if (m := MAP_ROW.match(line))]
+
+
+def map_errors(modules: Set[str], index: str) -> List[str]:
+    """One line per module without a row, with several rows or with an empty one, and per
+    row naming no module, each with the mend."""
+    rows = map_rows(index)
+    named = [module for module, _ in rows]
+    errors = [f"{m} has no row in docs/index.md's package map: add one (what it holds and "
+              f"why, one line) to its part's table" for m in sorted(modules - set(named))]
+    errors += [f"{m} has {named.count(m)} rows in docs/index.md's package map: keep one"
+               for m in sorted(set(named)) if named.count(m) > 1]
+    errors += [f"docs/index.md's package map has a row for {m}, which is no module under "
+               f"seqpipe/: remove the row or rename it to where the module moved"
+               for m in sorted(set(named) - modules)]
+    errors += [f"{m}'s row in docs/index.md's package map says nothing: say what it holds"
+               for m, holds in rows if not holds]
+    return errors
+
+
+def test_the_package_map_has_one_row_per_module() -> None:
+    errors = map_errors(set(sources()), INDEX.read_text())
+    assert not errors, "\n".join(errors)
+
+
+FAKE_INDEX = """# x
+
+## Package map
+
+| module | holds |
+|---|---|
+| `seqpipe.core` | the core |
+| `seqpipe.core.gone` | a module since removed |
+| `seqpipe.core.flags` | flags |
+| `seqpipe.core.flags` | flags again |
+| `seqpipe.core.stage` |  |
+
+## Elsewhere
+
+| `seqpipe.core.checkpoint` | a row outside the map does not count |
+"""
+
+
+def test_the_package_map_check_names_each_fault() -> None:
+    """A missing, doubled, empty and stale row are each reported; rows outside the "Package
+    map" section do not count."""
+    modules = {"seqpipe.core", "seqpipe.core.flags", "seqpipe.core.stage",
+               "seqpipe.core.checkpoint"}
+    assert map_errors(modules, FAKE_INDEX) == [
+        "seqpipe.core.checkpoint has no row in docs/index.md's package map: add one (what "
+        "it holds and why, one line) to its part's table",
+        "seqpipe.core.flags has 2 rows in docs/index.md's package map: keep one",
+        "docs/index.md's package map has a row for seqpipe.core.gone, which is no module "
+        "under seqpipe/: remove the row or rename it to where the module moved",
+        "seqpipe.core.stage's row in docs/index.md's package map says nothing: say what it "
+        "holds",
+    ]

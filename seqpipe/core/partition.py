@@ -23,9 +23,11 @@ Device = Union[str, int, torch.device]
 def verify_module(module: object) -> None:
     """Raise unless ``module`` is an ``nn.Sequential`` of distinct, initialized layers."""
     if not isinstance(module, nn.Sequential):
-        raise TypeError(
-            f"seqpipe needs an nn.Sequential, got {type(module).__name__}; "
-            f"wrap the layers in nn.Sequential(...)")
+        mend = ("put its layers in nn.Sequential(*layers)" if isinstance(module, nn.ModuleList)
+                else "convert a model with its own forward with seqpipe.to_sequential(model, "
+                     "(example_input,)) (docs/models.md), or put its layers in "
+                     "nn.Sequential(...)")
+        raise TypeError(f"seqpipe needs an nn.Sequential, got {type(module).__name__}; {mend}")
     if len(module) == 0:
         raise ValueError("the nn.Sequential is empty; give it at least one layer")
     seen: dict = {}

@@ -46,6 +46,7 @@ from seqpipe.core.sink import step_aware
 from seqpipe.distributed import verdict
 from seqpipe.distributed.agreement import gather_ints
 from seqpipe.distributed.comm_hook import CommHook, GradBucket, HookWork
+from seqpipe.distributed.mesh import held_group, resolved
 from seqpipe.distributed.tensor_parallel import as_grad, local
 from seqpipe.distributed.transport import PeerError
 
@@ -99,7 +100,7 @@ class GradientReducer:
     def __init__(self, group: dist.ProcessGroup, device: torch.device,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  reduce_dtype: Optional[torch.dtype] = None) -> None:
-        self.group = group
+        self._group = held_group(group)  # not the default group itself: it would outlive its end
         self.device = device  # where the step's verdict is reduced
         self.replica = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -118,6 +119,13 @@ class GradientReducer:
         self.works: List[Tuple[Any, Tensor, bool]] = []
         self.concluded = False  # this step's verdict started: the replicas hear no more
         self.counting = False  # this step sums a count over the replicas, not done yet
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The data-parallel group (the default group, if it is that, of this moment)."""
+        group = resolved(self._group)
+        assert group is not None
+        return group
 
     def replicas(self, device: torch.device) -> Replicas:
         """The replicas, for summing a step's count over them (``seqpipe.core.loss_weights``)."""

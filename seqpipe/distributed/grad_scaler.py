@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpipe.core.lazy_classes import is_dtensor
+from seqpipe.distributed.mesh import held_group
 from seqpipe.distributed.tensor_parallel import local
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class PipeGradScaler(torch.amp.GradScaler):
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         self.pipeline_group = pipe.group
-        self.data_parallel_group = pipe.data_parallel_group
+        self.data_parallel_group = held_group(pipe.data_parallel_group)  # not the default group
         self.device = pipe.device
         self.mesh_reduce = pipe.mesh_reduce  # the groups, as the parameters are then
         settings = torch.tensor([float(self._enabled), init_scale, growth_factor,
@@ -146,7 +147,7 @@ def backward_seed(scaler: Optional[PipeGradScaler], pipe: ScaledPipe) -> Optiona
             f"loss that exists on the last stage only nor agree on overflows across "
             f"stages; build PipeGradScaler(pipe) on every rank")
     if scaler.pipeline_group is not pipe.group or \
-            scaler.data_parallel_group is not pipe.data_parallel_group:
+            scaler.data_parallel_group is not held_group(pipe.data_parallel_group):
         raise ValueError("this PipeGradScaler was built for a pipe on other process groups; "
                          "build one per pipe with PipeGradScaler(pipe)")
     seed = scaler.scale(torch.ones((), device=pipe.device))

@@ -7,22 +7,27 @@ created by every rank of the world, in the same order, so the second group can o
 made where every rank takes part: for the whole world, when ``DistributedPipe`` runs on
 it, and for every pipeline of a mesh at once, in ``mesh_groups``.
 
-A pipeline on the whole world keeps ``None`` for its group (``kept``), whichever object
-named it: a ``DeviceMesh`` dimension that spans every rank *is* the default group, and a
-pipe that kept it would keep it alive past the user's ``destroy_process_group()`` (see
-"Ending a script" in docs/distributed.md).
+A pipe keeps no reference to the default group, whichever object named it: a
+``DeviceMesh`` dimension that spans every rank *is* the default group, and a pipe that kept
+it would keep it alive past the user's ``destroy_process_group()`` (see "Ending a script" in
+docs/distributed.md). A pipeline on the whole world keeps ``None`` for its group (``kept``);
+a ``data_parallel_group`` that is the default group is kept as ``DEFAULT_GROUP`` (``held_group``;
+``None`` there means no data parallelism), read as the default group when used
+(``resolved``); a ``mesh=`` is kept without its process groups (``kept_mesh``). Any other
+group is kept as it is, as ``DistributedDataParallel`` keeps its group.
 """
 from __future__ import annotations
 
 import weakref
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["kept", "mesh_groups", "reverse_group"]
+__all__ = ["DEFAULT_GROUP", "Held", "held_group", "kept", "kept_mesh", "mesh_groups", "resolved",
+           "reverse_group"]
 
 # Weak keys: a group's second group lives as long as the group, not longer. A strong key
 # would keep the default group (and its gloo worker threads) alive past the user's
@@ -65,6 +70,62 @@ def kept(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     worker threads, alive past ``destroy_process_group()`` into the interpreter's teardown.
     """
     return None if group is dist.group.WORLD else group
+
+
+class _DefaultGroup:
+    """The default group, whichever it is when used (``DEFAULT_GROUP``)."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT_GROUP"
+
+    def __reduce__(self) -> str:
+        return "DEFAULT_GROUP"  # one object: a copied or unpickled pipe keeps it
+
+
+DEFAULT_GROUP = _DefaultGroup()
+"""What a pipe keeps for an optional group (``data_parallel_group``) that is the default
+group, where ``None`` already means "none": a stand-in that keeps nothing alive."""
+
+Held = Union[None, dist.ProcessGroup, _DefaultGroup]
+
+
+def held_group(group: Optional[dist.ProcessGroup]) -> Held:
+    """``group`` as a pipe (or its reducer, or a ``PipeGradScaler``) keeps an optional
+    group: ``DEFAULT_GROUP`` for the default group, else ``group`` (``None``: no group).
+    Holding the default group itself would keep it past ``destroy_process_group()``."""
+    return DEFAULT_GROUP if group is not None and group is dist.group.WORLD else group
+
+
+def resolved(group: Held) -> Optional[dist.ProcessGroup]:
+    """The group ``held_group`` kept, to use now: ``DEFAULT_GROUP`` is the default group of this
+    moment (the one bound while that group lives)."""
+    return dist.group.WORLD if group is DEFAULT_GROUP else group  # type: ignore[return-value]
+
+
+def kept_mesh(mesh: Any) -> Any:
+    """``mesh`` (``DistributedPipe(mesh=...)``) as a pipe keeps it: what a received
+    ``DTensor`` is rebuilt on, without a reference to the default group.
+
+    torch's ``DeviceMesh`` keeps its dimensions' process groups (``_pg_registry`` of its
+    root mesh, torch 2.13), and a dimension that spans every rank is the default group.
+    Only then is ``mesh`` replaced by a copy that is its own root: equal to it (same ranks,
+    layout, names and device type, so ``DTensor``s on either mix), naming the same groups,
+    and keeping every group but the default one. Outside ``torch.compile`` a mesh finds its
+    groups by name, so the copy works as the mesh does; code compiled with a collective
+    of a ``DTensor`` rebuilt over a dimension spanning every rank (a one-rank pipeline's
+    stages split over the whole world) would not find the group in the copy. A mesh without
+    a ``_pg_registry`` (another torch) is kept as it is."""
+    root = getattr(mesh, "_root_mesh", None) or mesh
+    registry = getattr(root, "_pg_registry", None)
+    world = dist.group.WORLD
+    if not isinstance(registry, dict) or not any(g is world for g in registry.values()):
+        return mesh
+    copy = object.__new__(type(mesh))
+    copy.__dict__.update(mesh.__dict__)
+    copy._root_mesh = None
+    copy._flatten_mapping = {}
+    copy._pg_registry = {name: g for name, g in registry.items() if g is not world}
+    return copy
 
 
 def reverse_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:

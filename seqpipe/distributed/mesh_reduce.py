@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.distributed.fsdp_verdict import group_ranks
+from seqpipe.distributed.mesh import Held, resolved
 
 __all__ = ["MeshReduce", "copy_groups"]
 
@@ -58,10 +59,10 @@ class MeshReduce:
 
     @classmethod
     def of(cls, pipeline: Optional[dist.ProcessGroup], module: nn.Module,
-           data_parallel_group: Optional[dist.ProcessGroup]) -> "MeshReduce":
+           data_parallel_group: Held) -> "MeshReduce":
         """Over ``pipeline`` and the groups ``module``'s parameters (this rank's layers)
-        are copied over."""
-        return cls(pipeline, copy_groups(module.parameters(), data_parallel_group))
+        are copied over. ``data_parallel_group`` as a pipe keeps it (``mesh.held_group``)."""
+        return cls(pipeline, copy_groups(module.parameters(), resolved(data_parallel_group)))
 
     def check_product(self, device: torch.device) -> None:
         """Raise ``ValueError`` on every rank of the pipeline unless all are copied over

@@ -31,7 +31,7 @@ from seqpipe.distributed.dtensor_wire import check_mesh
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.lifecycle import CallLifecycle
 from seqpipe.distributed.materialize import materialize
-from seqpipe.distributed.mesh import kept, reverse_group
+from seqpipe.distributed.mesh import held_group, kept, kept_mesh, resolved, reverse_group
 from seqpipe.distributed.mesh_reduce import MeshReduce
 from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
@@ -213,7 +213,7 @@ class DistributedPipe(nn.Module):
         # NCCL makes a communicator per pair on first use: open them all now, in one order
         self._transport.connect(pipeline_channels(self.schedule, self.num_ranks, self.chunks,
                                                   layout))
-        self.data_parallel_group = data_parallel_group
+        self._data_parallel = held_group(data_parallel_group)  # never the default group itself
         self._reducer: Optional[GradientReducer] = None
         if data_parallel_group is not None:
             check_data_parallel_group(self.stage_index, fingerprint, data_parallel_group,
@@ -227,7 +227,7 @@ class DistributedPipe(nn.Module):
             self._tied.verify(tied_on_meta, at_construction=True)
         self._auto = (AutoRunner(self.schedule, self.num_ranks, self.num_stages, group,
                                  functools.partial(MeshReduce.of, group, partition,
-                                                   data_parallel_group), self.device)
+                                                   self._data_parallel), self.device)
                       if isinstance(self.schedule, Auto) else None)
         self._calls = CallLifecycle(self._stages, self._transport, layout, self.placement,
                                     self.schedule, chunks=self.chunks, group=group,
@@ -236,8 +236,11 @@ class DistributedPipe(nn.Module):
                                     partition=partition,
                                     broadcast_buffers=self.broadcast_buffers)
         self._calls.sharded_failure_checks = bool(sharded_failure_checks)
-        self._calls.mesh = check_mesh(mesh)
+        self._calls.mesh = kept_mesh(check_mesh(mesh))  # without the default group
         self._calls.local_ties = LocalTies.of(self, self.layer_names)
+
+    data_parallel_group = property(lambda self: resolved(self._data_parallel), doc="""The
+        replicas' group (``None``: none); the default group is read when asked for.""")
 
     @property
     def stage_modules(self) -> Tuple[nn.Sequential, ...]:
@@ -354,7 +357,7 @@ class DistributedPipe(nn.Module):
         """All-reduces over this pipe's whole mesh: the pipeline group, then every group its
         stages are copied over (``data_parallel_group``, the mesh dimensions of ``DTensor``
         parameters: FSDP2, HSDP, ``replicate``), read from the parameters now."""
-        return MeshReduce.of(self.group, self, self.data_parallel_group)
+        return MeshReduce.of(self.group, self, self._data_parallel)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False) -> Tensor:
