@@ -309,7 +309,8 @@ _HELPERS = {
 @pytest.mark.parametrize("helper", _HELPERS.values(), ids=_HELPERS.keys())
 def test_helpers_check_module_and_partitions(helper: Callable[[int, nn.Module], list[int]],
                                              ) -> None:
-    with pytest.raises(TypeError, match=r"needs an nn\.Sequential, got Linear; wrap"):
+    with pytest.raises(TypeError,
+                       match=r"nn\.Sequential, got Linear; convert .*seqpipe\.to_sequential"):
         helper(1, nn.Linear(4, 4))
     with pytest.raises(ValueError, match="cannot split 2 layers into 3 non-empty partitions"):
         helper(3, _TINY)
