@@ -116,6 +116,7 @@ def replicas_on_the_whole_world(rank: int, world_size: int) -> None:
     model.zero_grad()
     pipe = DistributedPipe(model, chunks=2, group=pp, data_parallel_group=dp)
     scaler = PipeGradScaler(pipe, init_scale=4.0)
+    assert pipe.data_parallel_group is scaler.data_parallel_group is dist.group.WORLD
     mine = slice(2 * rank, 2 * rank + 2)  # this replica's share of the batch
     loss = pipe.train_step(x[mine], y[mine], nn.functional.mse_loss, scaler=scaler)
     torch.testing.assert_close(loss, nn.functional.mse_loss(model(x[mine]), y[mine]).detach())

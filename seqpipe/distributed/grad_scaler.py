@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpipe.core.lazy_classes import is_dtensor
-from seqpipe.distributed.mesh import held_group
+from seqpipe.distributed.mesh import held_group, resolved
 from seqpipe.distributed.tensor_parallel import local
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class PipeGradScaler(torch.amp.GradScaler):
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         self.pipeline_group = pipe.group
-        self.data_parallel_group = held_group(pipe.data_parallel_group)  # not the default group
+        self._data_parallel = held_group(pipe.data_parallel_group)  # not the default group
         self.device = pipe.device
         self.mesh_reduce = pipe.mesh_reduce  # the groups, as the parameters are then
         settings = torch.tensor([float(self._enabled), init_scale, growth_factor,
@@ -90,6 +90,12 @@ class PipeGradScaler(torch.amp.GradScaler):
         _check_same(settings, self.pipeline_group, "stages")
         for group in self.mesh_reduce().groups:
             _check_same(settings, group, "replicas")
+
+    @property
+    def data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The pipe's replicas' group (``None``: none); the default group is read when
+        asked for, as ``DistributedPipe.data_parallel_group`` reads it."""
+        return resolved(self._data_parallel)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor,
                         found_inf: Tensor, allow_fp16: bool) -> Dict[torch.device, Tensor]:
@@ -147,7 +153,7 @@ def backward_seed(scaler: Optional[PipeGradScaler], pipe: ScaledPipe) -> Optiona
             f"loss that exists on the last stage only nor agree on overflows across "
             f"stages; build PipeGradScaler(pipe) on every rank")
     if scaler.pipeline_group is not pipe.group or \
-            scaler.data_parallel_group is not held_group(pipe.data_parallel_group):
+            scaler._data_parallel is not held_group(pipe.data_parallel_group):
         raise ValueError("this PipeGradScaler was built for a pipe on other process groups; "
                          "build one per pipe with PipeGradScaler(pipe)")
     seed = scaler.scale(torch.ones((), device=pipe.device))
