@@ -2,9 +2,12 @@
 FSDP2 and a ``data_parallel_group``, on 4 gloo processes (one launch): a language model whose
 embedding (stage 0) and head (stage 1) share a weight trains as the single-process model
 under pp=2 × fsdp=2 (``1f1b``, ``zb_h1``) and pp=2 × tp=2 (the two copies split alike, and
-differently), and with the copies on HSDP, ``replicate`` and FSDP2-over-TP stages; a
-token-mean loss over FSDP2 stages and seqpipe's reducer is the global token
-mean; FSDP2 and ``data_parallel_group`` over different ranks are refused."""
+differently), and with the copies on HSDP, ``replicate`` and FSDP2-over-TP stages; a weight
+shared by layers of one rank (``zbv``, ``dualpipev``, one stage) that FSDP2, ``replicate`` or
+tensor parallelism wrapped apart trains as the model's too (its copies summed on the rank),
+is clipped and checkpointed once, and its copies frozen apart are refused; a token-mean loss
+over FSDP2 stages and seqpipe's reducer is the global token mean; FSDP2 and
+``data_parallel_group`` over different ranks are refused."""
 from __future__ import annotations
 
 from functools import partial
@@ -85,19 +88,21 @@ def _shard(pipe: DistributedPipe, mesh: DeviceMesh, reshard: bool = True,
 
 
 def _train(failures: Failures, pipe: DistributedPipe, part: slice, what: str,
-           steps: int = 2, split: bool = True, model: Callable[[], nn.Sequential] = _model,
+           steps: int = 2, split: Optional[bool] = True,
+           model: Callable[[], nn.Sequential] = _model,
            clip: bool = False) -> Tuple[nn.Sequential, Any, Any]:
     """``steps`` AdamW steps on ``pipe`` (this pipeline's ``part`` of each batch) and on the
     single-process ``model()``: losses, gradients (clipped to norm 0.5 by
     ``pipe.clip_grad_norm_`` if ``clip``, with the same norm) and parameters equal; the tied
-    copies (``DTensor``s if ``split``) still equal. Returns the model and both optimizers."""
+    copies (``DTensor``s if ``split``; either if ``None``) still equal. Returns the model
+    and both optimizers."""
     reference = model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.05)
     theirs: Dict[str, Tensor] = dict(reference.named_parameters(remove_duplicate=False))
     mine = dict(pipe.named_parameters())
     copy = mine.get("0.weight", mine.get("5.weight"))  # None: no copy on this rank
-    failures.expect(copy is None or isinstance(copy, DTensor) == split,
+    failures.expect(copy is None or split is None or isinstance(copy, DTensor) == split,
                     f"{what}: the tied copy is {'not ' if split else ''}a DTensor")
     for step in range(steps):
         x, y = _batch(step)
@@ -218,7 +223,8 @@ def _one_rank(failures: Failures, path: str) -> None:
     are two copies, summed on the rank: three AdamW steps as the model's (clipped, and
     checkpointed under one key, for FSDP2). Copies of it set to ``requires_grad`` apart are
     refused, naming them. Left unwrapped and averaged by ``data_parallel_group``, the other
-    layers sharded, it trains exactly too."""
+    layers sharded, it trains exactly too; and so does a tie (across ranks, or on one rank)
+    whose embedding copy ``data_parallel_group`` averages and whose head copy FSDP2 does."""
     _within_one_stage(failures)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh_groups(mesh)
@@ -256,6 +262,12 @@ def _one_rank(failures: Failures, path: str) -> None:
             fully_shard(stage, mesh=mesh["dp"])
     _train(failures, pipe, part, "ties on one rank under zbv, left to data_parallel_group",
            steps=3, split=False)
+    for balance, schedule in (([3, 3], "1f1b"), ([2, 1, 1, 2], "zbv")):
+        pipe = DistributedPipe(_model(), chunks=2, balance=balance, schedule=schedule,
+                               group=pp, data_parallel_group=dp)
+        _shard(pipe, mesh["dp"], skip="0")  # the embedding's copy: the reducer's
+        _train(failures, pipe, part, f"a tie's copies averaged by the reducer and by FSDP2, "
+               f"{schedule}", split=None)
 
 
 def _checkpointed(failures: Failures, pipe: DistributedPipe,
@@ -402,11 +414,13 @@ def test_fsdp_ties(tmp_path: Any) -> None:
     """4 processes: a tied embedding/head trains two AdamW steps as the single-process
     model under pp=2 × fsdp=2 (1f1b, zb_h1) and pp=2 × tp=2 (copies split alike under 1f1b,
     differently under zb_h1), the copies equal after; three on HSDP (2×1, 1×2), on
-    replicate stages (1f1b, zb_h1) and on FSDP2 over tensor parallelism; under zbv (both
-    copies on one rank) replicate wrapping the two layers apart is refused on every rank,
-    and the mend it names trains exactly, as does a weight shared within a stage under
-    one FSDP2 unit; count_fn with FSDP2 and a
+    replicate stages (1f1b, zb_h1) and on FSDP2 over tensor parallelism; under zbv and
+    dualpipev (both copies on one rank) the layers wrapped apart by fully_shard, replicate
+    or tensor parallelism (alike, Shard(1) against Shard(0)) train three steps exactly, the
+    clipped norm is the model's and a checkpoint keeps one entry that loads into the plain
+    model; so do two layers of one stage wrapped apart, a tie with two copies on one rank
+    and one on another, one FSDP2 unit over both, and the layers left unwrapped; copies
+    frozen apart raise ValueError naming them; count_fn with FSDP2 and a
     data_parallel_group gives the global token mean's gradient; FSDP2 over other ranks than
     data_parallel_group raises ValueError."""
     run_workers(_worker, 4, str(tmp_path / "ckpt"), timeout=300)
-

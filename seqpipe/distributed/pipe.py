@@ -74,7 +74,8 @@ class DistributedPipe(nn.Module):
     them. A parameter that layers of stages on several ranks share (tied weights) has a
     copy on each of those ranks, whose gradients are summed after every step (see
     ``seqpipe.distributed.ties``; ``ties`` lists them with the ranks that hold them,
-    ``check_ties`` compares the copies); stages on one rank share one copy.
+    ``check_ties`` compares the copies); stages on one rank share one copy (wrapped apart
+    by FSDP2 or tensor parallelism, its copies there are summed too: ``tie_local``).
 
     Args:
         module: the whole model, the same on every rank (``meta`` tensors are fine).

@@ -42,13 +42,17 @@ gradient, the sum over all uses. Two things make "each copy's gradient" more tha
 """
 from __future__ import annotations
 
+import functools
+import operator
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from seqpipe.distributed.agreement import gather_ints
 from seqpipe.distributed.fsdp import ShardedStep, unsharded_grad
+from seqpipe.distributed.tensor_parallel import local
 from seqpipe.distributed.tie_layout import layout
 from seqpipe.distributed.ties import TiedCopies
 
@@ -59,6 +63,10 @@ NO_COPY, FROZEN, TRAINED, GIVEN = -1, 0, 1, 2
 # A layout code no single layout has (``layout`` codes are below 2**32): this rank's copies
 # are laid out differently, so the tie's sum goes by whole tensors.
 _APART = 1 << 32
+# Who averages a rank's copies over the data-parallel replicas (bits): FSDP2, after the sum
+# (it reduces the unsharded gradient the sum went into), and seqpipe's reducer, before it.
+_SHARDED, _REDUCED = 1, 2
+_BOTH = _SHARDED | _REDUCED
 
 
 class TieGrads:
@@ -170,7 +178,7 @@ class TieGrads:
         across = self.copies.across
         waits = []
         if across:
-            words, layouts = self._words()
+            words, layouts, kinds = self._words()
             said = [[words[r][t] for r in tie.stages]
                     for t, tie in enumerate(self.copies.ties[:across])]
             for tie, theirs in zip(self.copies.ties, said):
@@ -181,19 +189,47 @@ class TieGrads:
                 if GIVEN not in said[t] or self.copies.sum_groups[t] is None:
                     continue  # frozen, or no gradient anywhere, or not this rank's sum
                 whole = self.copies.whole(t, [row[t] for row in layouts])
-                waits.append(self.copies.start_sum(t, self._grads(t, create=True), whole))
+                grads = self._grads(t, create=True)
+                if functools.reduce(operator.or_, (row[t] for row in kinds)) == _BOTH:
+                    self._average_sharded(t, grads)
+                waits.append(self.copies.start_sum(t, grads, whole))
         for t in range(across, len(self.copies.ties)):  # copies on this rank only
             if self.trained[t] and any(g is not None for g in self._grads(t)):
                 grads = self._grads(t, create=True)
+                if self._kind(t) == _BOTH:
+                    self._average_sharded(t, grads)
                 whole = self._layout(t, grads) >= _APART
                 waits.append(self.copies.start_sum(t, grads, whole))
         for wait in waits:
             wait()
         self.put_back()
 
-    def _words(self) -> Tuple[List[List[int]], List[List[int]]]:
+    def _kind(self, t: int) -> int:
+        """Who averages this rank's copies of tie ``t`` over the replicas (``_SHARDED``,
+        ``_REDUCED``, both or neither)."""
+        kind = 0
+        for fsdp_param in self.fsdp[t]:
+            kind |= _SHARDED if fsdp_param is not None else (
+                _REDUCED if self.copies.averaged is not None else 0)
+        return kind
+
+    def _average_sharded(self, t: int, grads: Sequence[Tensor]) -> None:
+        """Average FSDP2's copies' gradients of tie ``t`` over the replicas now, where other
+        copies of the tie are seqpipe's reducer's, which has averaged theirs already: every
+        part of the sum is then a mean, so the reducer's copies get the tie's mean too
+        (FSDP2's mean of what is already equal over the replicas changes nothing)."""
+        group = self.copies.averaged
+        assert group is not None
+        for grad, fsdp_param in zip(grads, self.fsdp[t]):
+            if fsdp_param is not None:
+                mine = local(grad)
+                dist.all_reduce(mine, group=group)
+                mine.div_(dist.get_world_size(group))
+
+    def _words(self) -> Tuple[List[List[int]], List[List[int]], List[List[int]]]:
         """Per rank of the pipeline, per tie across ranks: its word (``NO_COPY`` ...
-        ``GIVEN``), and its copies' gradients' layout (``_layout``; -1 without a copy)."""
+        ``GIVEN``), its copies' gradients' layout (``_layout``; -1 without a copy), and who
+        averages them (``_kind``)."""
         mine = []
         for t in range(self.copies.across):
             grads = self._grads(t) if self.trained[t] else [None] * len(self.now[t])
@@ -203,9 +239,10 @@ class TieGrads:
                 word = FROZEN
             else:
                 word = GIVEN if any(g is not None for g in grads) else TRAINED
-            mine += [word, self._layout(t, grads)]
+            mine += [word, self._layout(t, grads), self._kind(t)]
         everyone = gather_ints(mine, self.copies.group, self.copies.device)
-        return [w[0::2] for w in everyone], [w[1::2] for w in everyone]
+        return ([w[0::3] for w in everyone], [w[1::3] for w in everyone],
+                [w[2::3] for w in everyone])
 
 
 def _mixed(tie: str, stages: Sequence[int], said: List[int]) -> str:

@@ -240,6 +240,7 @@ class TiedCopies:
         self.ties = [*ties, *local]
         self.stage = stage
         self.group = group
+        self.averaged = data_parallel_group  # where seqpipe's reducer averages (or None)
         self.device = device
         params = dict(module.named_parameters(remove_duplicate=False))
         # Per tie, its names this rank holds, and the (owner, attribute) of each.
