@@ -419,8 +419,9 @@ def test_fsdp_ties(tmp_path: Any) -> None:
     or tensor parallelism (alike, Shard(1) against Shard(0)) train three steps exactly, the
     clipped norm is the model's and a checkpoint keeps one entry that loads into the plain
     model; so do two layers of one stage wrapped apart, a tie with two copies on one rank
-    and one on another, one FSDP2 unit over both, and the layers left unwrapped; copies
-    frozen apart raise ValueError naming them; count_fn with FSDP2 and a
+    and one on another, one FSDP2 unit over both, the layers left unwrapped, and a tie
+    whose copies the reducer and FSDP2 average; copies frozen apart raise ValueError naming
+    them; count_fn with FSDP2 and a
     data_parallel_group gives the global token mean's gradient; FSDP2 over other ranks than
     data_parallel_group raises ValueError."""
     run_workers(_worker, 4, str(tmp_path / "ckpt"), timeout=300)

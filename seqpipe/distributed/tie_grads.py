@@ -39,6 +39,12 @@ gradient, the sum over all uses. Two things make "each copy's gradient" more tha
   own when its copies are laid out differently, so that the tie goes whole. Its copies must
   all be trained or all frozen (``check``, at the start of the step: ``ValueError`` naming
   the names to set ``requires_grad`` on).
+* **Two averages.** seqpipe's reducer averages its copies over the replicas before the sum,
+  FSDP2 its copies after it (in the reduce-scatter of the unsharded gradient the sum went
+  into). Where one tie has copies of both kinds (on one rank, or on different ranks: the
+  all-gather carries who averages each rank's copies), FSDP2's copies' gradients are
+  averaged over ``data_parallel_group`` (the same ranks as FSDP2's mesh,
+  ``ShardedStep.check``) before the sum, so that every copy gets the mean of the sum.
 """
 from __future__ import annotations
 
