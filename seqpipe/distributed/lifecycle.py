@@ -12,9 +12,8 @@ step ends with the reductions: gradients averaged over the data-parallel replica
 stage's buffers broadcast), then what the step added to the gradients of weights tied
 across ranks, or wrapped apart on one rank, summed (their earlier gradients set aside at the
 start: ``tie_grads``; copies FSDP2 manages are summed before their stage's FSDP2 reduction,
-which then runs here). Under
-``schedule="auto"`` the first train step is timed, and the schedule picked from it runs from
-the next call on.
+which then runs here). Under ``schedule="auto"`` the first train step is timed, and the
+schedule picked from it runs from the next call on.
 """
 from __future__ import annotations
 

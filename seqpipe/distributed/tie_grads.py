@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -116,9 +116,9 @@ class TieGrads:
                         self.earlier[t][n], copy.grad = copy.grad, None
 
     def check(self) -> None:
-        """Raise ``ValueError`` if a tie's copies on this rank are trained and frozen
-        alike (``requires_grad`` set through one of the layers that a wrapper wrapped
-        apart): their sum would have no one meaning."""
+        """Raise ``ValueError`` if some of a tie's copies on this rank are trained and
+        others frozen (``requires_grad`` set through one of the layers that a wrapper
+        wrapped apart): the tie would be half trained."""
         for t, (tie, copies) in enumerate(zip(self.copies.ties, self.now)):
             if len({c.requires_grad for c in copies}) > 1:
                 self.put_back()
@@ -144,6 +144,11 @@ class TieGrads:
                 if copy.grad is not None:
                     held.add_(copy.grad)
                 copy.grad = held
+
+    def _made(self, t: int) -> List[Tensor]:
+        """This step's gradient of each of this rank's copies of tie ``t``, zeros where
+        there is none (``_grads``)."""
+        return cast(List[Tensor], self._grads(t, create=True))
 
     def _grads(self, t: int, create: bool = False) -> List[Optional[Tensor]]:
         """This step's gradient of each of this rank's copies of tie ``t`` (FSDP2's
@@ -195,13 +200,13 @@ class TieGrads:
                 if GIVEN not in said[t] or self.copies.sum_groups[t] is None:
                     continue  # frozen, or no gradient anywhere, or not this rank's sum
                 whole = self.copies.whole(t, [row[t] for row in layouts])
-                grads = self._grads(t, create=True)
+                grads = self._made(t)
                 if functools.reduce(operator.or_, (row[t] for row in kinds)) == _BOTH:
                     self._average_sharded(t, grads)
                 waits.append(self.copies.start_sum(t, grads, whole))
         for t in range(across, len(self.copies.ties)):  # copies on this rank only
             if self.trained[t] and any(g is not None for g in self._grads(t)):
-                grads = self._grads(t, create=True)
+                grads = self._made(t)
                 if self._kind(t) == _BOTH:
                     self._average_sharded(t, grads)
                 whole = self._layout(t, grads) >= _APART

@@ -41,8 +41,8 @@ def _pipelines(group: Optional[dist.ProcessGroup],
 
 
 def tie_groups(stage_sets: Sequence[Tuple[int, ...]], group: Optional[dist.ProcessGroup],
-                data_parallel_group: Optional[dist.ProcessGroup], device: torch.device
-                ) -> Optional[Dict[Tuple[int, ...], dist.ProcessGroup]]:
+               data_parallel_group: Optional[dist.ProcessGroup], device: torch.device
+               ) -> Optional[Dict[Tuple[int, ...], dist.ProcessGroup]]:
     """For each set of stages, the group of this pipeline's ranks at those stages; every
     pipeline's are created, by every rank in the same order. ``None`` where groups cannot
     be created (then the pipeline group is used)."""
