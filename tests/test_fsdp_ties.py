@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from distributed_harness import Failures, run_workers
 from seqpipe.distributed import DistributedPipe, PeerError, mesh_groups
-from seqpipe.distributed.checkpoint import load_into_plain, save
+from seqpipe.distributed.checkpoint import load, load_into_plain, save
 
 TOL = dict(rtol=1e-6, atol=1e-9)
 VOCAB, WIDTH, IGNORED = 16, 8, -100
@@ -241,7 +241,7 @@ def _one_rank(failures: Failures, path: str) -> None:
         trained = _train(failures, pipe, part, f"tie on one rank wrapped apart by {kind}, "
                          f"{schedule}", steps=3, clip=kind == "fully_shard")
         if kind == "fully_shard":
-            _checkpointed(failures, pipe, trained, path)
+            _checkpointed(failures, pipe, mesh["dp"], trained, path)
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     tp_pp, _ = mesh_groups(tp_mesh, data_dim="tp")
     for alike, schedule in ((True, "zbv"), (False, "dualpipev")):
@@ -270,10 +270,11 @@ def _one_rank(failures: Failures, path: str) -> None:
                f"{schedule}", split=None)
 
 
-def _checkpointed(failures: Failures, pipe: DistributedPipe,
+def _checkpointed(failures: Failures, pipe: DistributedPipe, mesh: DeviceMesh,
                   trained: Tuple[nn.Sequential, Any, Any], path: str) -> None:
     """The two copies are one entry of a checkpoint, under the model's first key, model and
-    optimizer state: loaded into the plain model, they are the trained model's."""
+    optimizer state: loaded into the plain model, and into a pipe wrapped apart alike (on
+    ``mesh``, both copies), they are the trained model's."""
     reference, opt, ref_opt = trained
     save(pipe, opt, path)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -287,6 +288,18 @@ def _checkpointed(failures: Failures, pipe: DistributedPipe,
         failures.close(param, reference.get_parameter(name), f"checkpoint: {name}")
     failures.close(plain_opt.state[plain[0].weight]["exp_avg"],
                    ref_opt.state[reference[0].weight]["exp_avg"], "checkpoint: exp_avg")
+    fresh = DistributedPipe(_model(), chunks=4, balance=[2, 1, 1, 2], schedule="zbv",
+                            group=pipe.group)
+    _wrapped(fresh, partial(fully_shard, mesh=mesh))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    load(fresh, fresh_opt, path)  # the one entry into both copies
+    for name, param in fresh.named_parameters():
+        failures.close(_full(param.detach()), reference.get_parameter(name),
+                       f"checkpoint loaded into the pipe: {name}")
+        if name in ("0.weight", "5.weight"):
+            failures.close(_full(fresh_opt.state[param]["exp_avg"]),
+                           ref_opt.state[reference[0].weight]["exp_avg"],
+                           f"checkpoint loaded into the pipe: exp_avg of {name}")
 
 
 def _frozen_apart(failures: Failures, mesh: DeviceMesh) -> None:
