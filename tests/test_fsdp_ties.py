@@ -365,30 +365,35 @@ def _within_one_stage(failures: Failures) -> None:
 
 
 def _counted(failures: Failures) -> None:
-    """count_fn on FSDP2 stages with a data_parallel_group over the same ranks (stage 0's
-    first block left to seqpipe's reducer; the tie's copies FSDP2's): replicas counting 5
-    and 9 of their 12 tokens give the gradient of the global sum over the global count."""
+    """count_fn on FSDP2 stages with a data_parallel_group over the same ranks (``1f1b``:
+    stage 0's first block left to seqpipe's reducer, the tie's copies FSDP2's; ``zbv``: the
+    embedding's copy the reducer's and the head's, on the same rank, FSDP2's): replicas
+    counting 5 and 9 of their 12 tokens give the gradient of the global sum over the global
+    count."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh_groups(mesh)
     replica = mesh["dp"].get_local_rank()
-    pipe = DistributedPipe(_model(), chunks=2, balance=[3, 3], group=pp,
-                           data_parallel_group=dp)
-    _shard(pipe, mesh["dp"], skip="1")
     x, y = _batch(0)
     y = y.clone()
     y[:4].view(-1)[5:] = IGNORED  # replica 0 counts 5 tokens
     y[4:].view(-1)[:-9] = IGNORED  # replica 1 counts 9
     part = slice(replica * 4, replica * 4 + 4)
-    pipe.train_step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None,
-                    _sum_loss, count_fn=lambda labels: (labels != IGNORED).sum())
     reference = _model()
     (_sum_loss(reference(x), y) / (y != IGNORED).sum()).backward()
     theirs = dict(reference.named_parameters(remove_duplicate=False))
-    mine = dict(pipe.named_parameters())
-    failures.expect(any(not isinstance(p, DTensor) for p in mine.values()) or pipe.is_last,
-                    "count: stage 0's first block is sharded, not the reducer's")
-    for name, param in mine.items():
-        failures.close(_full(param.grad), theirs[name].grad, f"count: grad of {name}")
+    for balance, schedule, skip in (([3, 3], "1f1b", "1"), ([2, 1, 1, 2], "zbv", "0")):
+        pipe = DistributedPipe(_model(), chunks=2, balance=balance, schedule=schedule,
+                               group=pp, data_parallel_group=dp)
+        _shard(pipe, mesh["dp"], skip=skip)
+        pipe.train_step(x[part] if pipe.is_first else None,
+                        y[part] if pipe.is_last else None, _sum_loss,
+                        count_fn=lambda labels: (labels != IGNORED).sum())
+        mine = dict(pipe.named_parameters())
+        failures.expect(any(not isinstance(p, DTensor) for p in mine.values())
+                        or not pipe.is_first, f"count, {schedule}: layer {skip} is sharded")
+        for name, param in mine.items():
+            failures.close(_full(param.grad), theirs[name].grad,
+                           f"count, {schedule}: grad of {name}")
 
 
 def _refused(failures: Failures) -> None:
