@@ -32,6 +32,7 @@ from seqpipe.local.direct import (
     runs_direct,
     whole_backward,
 )
+from seqpipe.local.forward_ad import refuse_dual
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -262,6 +263,7 @@ class Pipe(nn.Module):
             return self._run_step(step)
         given = Input.of(input)
         batch = given.batch
+        refuse_dual(batch.tensors, self)  # (inside a forward-AD dual level only)
         pipeline = self._pipeline
         if len(pipeline.stages) == 1:  # one micro-batch: maybe the plain model's graph
             grad = torch.is_grad_enabled() and (

@@ -1,0 +1,248 @@
+"""A layer sees its own parameters, hooks and settings exactly as without seqpipe.
+
+Cases a user meets with the objects and settings of their own model (session 11's hunt):
+each compares a ``Pipe`` (two CPU partitions) with the plain model on the same batch,
+outputs and gradients in float64, or checks the error that names the mend where seqpipe
+cannot match the plain model.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.utils.parametrize as parametrize
+from torch import Tensor, nn
+from torch.nn.utils import parametrizations
+
+from seqpipe import Pipe
+from seqpipe.skip import pop, skippable, stash
+
+MODES = ["never", "except_last", "always"]
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 4)).double()
+
+
+def batch() -> Tensor:
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def piped(model: nn.Sequential, mode: str = "except_last", chunks: int = 4) -> Pipe:
+    half = len(model) // 2
+    return Pipe(model, chunks=chunks, checkpoint=mode, balance=[half, len(model) - half],
+                devices=["cpu", "cpu"])
+
+
+def assert_same_grads(plain: nn.Module, pipe: nn.Module) -> None:
+    for (name, a), b in zip(plain.named_parameters(), pipe.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-12, msg=name)
+
+
+# -- copy.deepcopy, pickle, torch.save of a whole Pipe ----------------------------------------
+@skippable(stash=["s"])
+class Stash(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("s", x)
+        return x
+
+
+@skippable(pop=["s"])
+class Pop(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        skipped = yield pop("s")
+        return x + skipped
+
+
+def _deepcopy(pipe: Pipe) -> Pipe:
+    return copy.deepcopy(pipe)
+
+
+def _pickle(pipe: Pipe) -> Pipe:
+    return pickle.loads(pickle.dumps(pipe))
+
+
+def _torch_save(pipe: Pipe) -> Pipe:
+    buffer = io.BytesIO()
+    torch.save(pipe, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copier", [_deepcopy, _pickle, _torch_save])
+def test_a_pipe_copies_whole_and_the_copy_trains_its_own_layers(copier: Callable) -> None:
+    """``copy.deepcopy(pipe)`` (an EMA model, a frozen teacher) and ``torch.save(pipe)``: the
+    skip layout's read-only index could not be pickled, so both raised ``TypeError``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), Stash(), nn.Tanh(), nn.Linear(6, 6), Pop(),
+                          nn.Linear(6, 4)).double()
+    pipe = Pipe(model, chunks=4, balance=[2, 2, 2], devices=["cpu"] * 3)
+    x = batch()
+    pipe(x).sum().backward()
+    twin = copier(pipe)
+    assert all(a is not b for a, b in zip(twin.parameters(), pipe.parameters()))
+    assert twin.partitions[1][0] is twin[2]  # the copy's stages run the copy's layers
+    with torch.no_grad():
+        twin[0].weight.add_(0.5)
+    reference = nn.Sequential(*copy.deepcopy(list(twin)))
+    pipe.zero_grad(), twin.zero_grad()
+    out = twin(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    out.sum().backward()
+    reference(x).sum().backward()
+    assert_same_grads(reference, twin)
+    assert all(p.grad is None for p in pipe.parameters())  # the original is untouched
+
+
+# -- a parameter hook registered after the forward ------------------------------------------
+def _clip(calls: List[int]) -> Callable[[Tensor], Tensor]:
+    def hook(grad: Tensor) -> Tensor:
+        calls.append(1)
+        return grad.clamp(-0.05, 0.05)  # not linear: a share clipped is not the sum clipped
+    return hook
+
+
+def _scale_after(calls: List[int]) -> Callable[[Tensor], None]:
+    def hook(param: Tensor) -> None:
+        calls.append(1)
+        assert param.grad is not None
+        param.grad.mul_(3.0)
+    return hook
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["register_hook", "post_accumulate", "inside_forward"])
+def test_a_hook_registered_after_the_forward_fires_once_with_the_whole_gradient(
+        mode: str, kind: str) -> None:
+    """A hook that appears between the forward and the backward (registered by the user, or
+    by a layer in its forward) fired once per micro-batch with a share of the gradient
+    (and once more with ``None``): a clipping hook clipped each share."""
+    plain, model = mlp(), mlp()
+    pipe = piped(model, mode)
+    calls: Dict[str, List[int]] = {"plain": [], "pipe": []}
+
+    def register(net: nn.Module, key: str) -> None:
+        if kind == "post_accumulate":
+            net[2].weight.register_post_accumulate_grad_hook(_scale_after(calls[key]))
+        else:
+            net[2].weight.register_hook(_clip(calls[key]))
+
+    if kind == "inside_forward":  # a layer that hooks its own parameter as it first runs
+        for net, key in [(plain, "plain"), (model, "pipe")]:
+            def pre_hook(module: nn.Module, args: Any, net: nn.Module = net,
+                         key: str = key) -> None:
+                if not getattr(module, "hooked", False):
+                    module.hooked = True
+                    register(net, key)
+            net[2].register_forward_pre_hook(pre_hook)
+    for step in range(2):  # the second adds to .grad
+        x = batch()
+        expected, got = plain(x), pipe(x)
+        if kind != "inside_forward" and step == 0:
+            register(plain, "plain")
+            register(model, "pipe")
+        expected.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        assert_same_grads(plain, model)
+        assert len(calls["pipe"]) == len(calls["plain"]) == step + 1
+
+
+def test_hooks_hidden_during_a_failed_backward_are_back_afterwards() -> None:
+    class Fails(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return _Raise.apply(x)
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), Fails(), nn.Linear(8, 4)).double()
+    pipe = piped(model, "never")
+    out = pipe(batch())
+    calls: List[int] = []
+    model[0].weight.register_hook(_clip(calls))
+    with pytest.raises(RuntimeError, match="backward failed on purpose"):
+        out.sum().backward()
+    assert len(model[0].weight._backward_hooks) == 1
+    model[0](batch()).sum().backward()  # the layer on its own: the hook fires
+    assert calls == [1]
+
+
+class _Raise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        raise RuntimeError("backward failed on purpose")
+
+
+# -- parametrize.cached() around the call ---------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_parametrize_cached_around_the_call_gives_the_plain_gradients(mode: str) -> None:
+    """Under ``cached()``, every micro-batch shared the first one's parametrized weight:
+    the second micro-batch's backward failed ("backward through the graph a second
+    time"), and a recomputation met another graph than its forward's."""
+    def build() -> nn.Sequential:
+        model = mlp()
+        parametrizations.orthogonal(model[2])
+        parametrizations.weight_norm(model[4])
+        return model
+
+    plain, model = build(), build()
+    pipe = piped(model, mode)
+    x = batch()
+    with parametrize.cached():
+        expected, got = plain(x), pipe(x)
+        expected.square().sum().backward()
+        got.square().sum().backward()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert_same_grads(plain, model)
+    with parametrize.cached():  # train_step too
+        loss = pipe.train_step(x, torch.zeros(8, 4, dtype=torch.float64),
+                               nn.functional.mse_loss)
+    plain.zero_grad()
+    torch.testing.assert_close(loss, nn.functional.mse_loss(plain(x), torch.zeros(8, 4)))
+
+
+# -- forward-mode AD ------------------------------------------------------------------------
+def test_forward_mode_ad_is_refused_by_name() -> None:
+    """A dual parameter's tangent was dropped silently (the output had none); a dual input
+    failed inside torch with a message about custom autograd Functions."""
+    model = mlp()
+    pipe = piped(model)
+    x = batch()
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="input tensor 0 is a dual tensor"):
+            pipe(fwAD.make_dual(x, torch.ones_like(x)))
+        weight = model[2].weight
+        del model[2].weight
+        model[2].weight = fwAD.make_dual(weight.detach(), torch.ones_like(weight))
+        with pytest.raises(RuntimeError, match=r"'2\.weight' is a dual tensor.*unwrapped model"):
+            pipe(x)
+    assert pipe(x).shape == (8, 4)  # outside the dual level: no check
+
+
+def test_a_layer_reads_its_parameters_hook_dictionaries_under_the_alias_mode() -> None:
+    """With hooks, a layer reading ``self.weight._backward_hooks`` (to register a hook once)
+    saw the alias's (``None``) and registered another hook at every micro-batch."""
+    class HooksOnce(nn.Linear):
+        def forward(self, x: Tensor) -> Tensor:
+            self.seen.append((self.weight._backward_hooks is not None,
+                              self.bias._post_accumulate_grad_hooks is not None))
+            return super().forward(x)
+
+    layer = HooksOnce(8, 8).double()
+    layer.seen = []
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), layer, nn.Linear(8, 4)).double()
+    layer.weight.register_hook(lambda grad: grad)
+    layer.bias.register_post_accumulate_grad_hook(lambda param: None)
+    piped(model, "always")(batch()).sum().backward()
+    assert layer.seen == [(True, True)] * 8  # 4 forwards, 4 recomputations
