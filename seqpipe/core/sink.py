@@ -39,10 +39,11 @@ joins the partition's leaves when first used, so its backward reaches that alias
 An operation that hands back its argument unchanged (``w.to(w.dtype)``,
 ``w.contiguous()``) hands back the real parameter again. Reading or writing ``.grad``,
 setting ``.data`` or ``requires_grad``, hashing, registering hooks and reading the hook
-dictionaries (``_backward_hooks``) go to the real parameter. Where a parameter reaches autograd without passing through a torch function
-under the mode (a custom ``autograd.Function.apply``, which PyTorch does not route through
-``__torch_function__``), autograd records the real parameter: the stage's backward lists
-the real parameters too, so its gradient still lands, in ``.grad``, once per micro-batch.
+dictionaries (``_backward_hooks``) go to the real parameter. Where a parameter reaches
+autograd without passing through a torch function under the mode (a custom
+``autograd.Function.apply``, which PyTorch does not route through ``__torch_function__``),
+autograd records the real parameter: the stage's backward lists the real parameters too,
+so its gradient still lands, in ``.grad``, once per micro-batch.
 
 Under ``torch.compile`` the substitution is traced into the compiled graph; there it
 tells parameters apart by type rather than by looking up each tensor's ``id`` (which would
