@@ -317,3 +317,68 @@ def test_a_layer_calling_autograd_grad_in_its_forward_matches_the_plain_model(mo
     got.square().sum().backward()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     assert_same_grads(plain, model)
+
+
+# -- DistributedPipe: the same objects, on two ranks (one launch) ---------------------------
+def _dist_model() -> nn.Sequential:
+    """Hooks, parametrizations and a differentiating layer, over four stages' worth."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), Force(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 8), Force(), nn.Linear(8, 4)).double()
+    for layer in model:
+        if isinstance(layer, Force):
+            layer.drop.p = 0.0
+    parametrizations.weight_norm(model[3])
+    parametrizations.orthogonal(model[5])
+    model[3].register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 2,))
+    model[5].register_full_backward_pre_hook(lambda mod, gout: (gout[0] * 3,))
+    model[7].register_forward_hook(lambda mod, args, kwargs, out: out * 1.5,
+                                   with_kwargs=True, always_call=True)
+    return model
+
+
+def _user_objects_on_two_ranks(rank: int, world: int) -> None:
+    from seqpipe.distributed import DistributedPipe
+    target = torch.zeros(8, 4, dtype=torch.float64)
+    for schedule, checkpoint in [("1f1b", "except_last"), ("zb_h1", "always"),
+                                 ("interleaved_1f1b", "always")]:
+        balance = [4, 4] if schedule != "interleaved_1f1b" else [2, 2, 2, 2]
+        plain = _dist_model()
+        pipe = DistributedPipe(_dist_model(), chunks=4, balance=balance, schedule=schedule,
+                               checkpoint=checkpoint)
+        for step in range(3):
+            x = batch() * (step + 1)
+            if step == 1:  # a parameter replaced after wrapping, and a hook on it
+                for net in (plain, pipe):
+                    if hasattr(net, "0"):
+                        layer = net.get_submodule("0")
+                        layer.weight = nn.Parameter(torch.full((8, 6), 0.1,
+                                                               dtype=torch.float64))
+                        layer.weight.register_hook(lambda grad: grad.clamp(-0.05, 0.05))
+            if step == 2:  # part of the model frozen between steps
+                for net in (plain, pipe):
+                    if hasattr(net, "7"):
+                        net.get_submodule("7").requires_grad_(False)
+            plain.zero_grad(set_to_none=True)
+            pipe.zero_grad(set_to_none=True)
+            expected = nn.functional.mse_loss(plain(x), target)
+            expected.backward()
+            loss = pipe.train_step(x if pipe.is_first else None,
+                                   target if pipe.is_last else None, nn.functional.mse_loss)
+            torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+            reference = dict(plain.named_parameters())
+            for name, param in pipe.named_parameters():
+                want = reference[name].grad
+                assert (param.grad is None) == (want is None), (schedule, step, name)
+                if want is not None:
+                    torch.testing.assert_close(param.grad, want, rtol=0, atol=1e-12,
+                                               msg=f"{schedule} step {step} {name}")
+
+
+def test_distributed_pipe_trains_the_users_objects_as_the_plain_model() -> None:
+    """Module hooks (gradient-modifying backward hooks, a kwargs forward hook), weight norm
+    and orthogonal parametrizations, a layer calling ``autograd.grad`` in its forward
+    (checkpointed: it raised before), a parameter replaced after wrapping with a clipping
+    hook, and ``requires_grad_(False)`` between steps, under three schedules."""
+    from distributed_harness import run_workers
+    run_workers(_user_objects_on_two_ranks, 2, timeout=180, pg_timeout=60)
