@@ -36,6 +36,7 @@ from seqpipe.local.forward_ad import refuse_dual
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
+from seqpipe.local.untraceable import refuse_tracing
 from seqpipe.schedule import AnySchedule
 from seqpipe.skip.layout import inspect_skip_layout
 
@@ -201,6 +202,7 @@ class Pipe(nn.Module):
         """Run the mini-batch through the pipeline; the output is on the last device (in the
         model's own structure for a model converted by ``seqpipe.to_sequential``)."""
         compiling = torch.compiler.is_compiling()
+        refuse_tracing(compiling)  # torch.jit.trace, torch.export: by name
         if compiling:
             warnings.warn(_COMPILE_WARNING, stacklevel=2)
         if compiling or _dynamo_callback() is not None:  # run it hidden from dynamo

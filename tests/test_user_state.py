@@ -382,3 +382,17 @@ def test_distributed_pipe_trains_the_users_objects_as_the_plain_model() -> None:
     hook, and ``requires_grad_(False)`` between steps, under three schedules."""
     from distributed_harness import run_workers
     run_workers(_user_objects_on_two_ranks, 2, timeout=180, pg_timeout=60)
+
+
+# -- tracing a Pipe -------------------------------------------------------------------------
+def test_jit_trace_and_export_of_a_pipe_are_refused_by_name() -> None:
+    """The tracers record the calling thread only: ``torch.jit.trace`` failed on a private
+    tensor of the engine ("Cannot insert a Tensor that requires grad as a constant"),
+    ``torch.export`` on a data-dependent guard inside it."""
+    pipe = piped(mlp()).eval()
+    x = batch()
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace cannot record a Pipe.*"
+                                           r"nn\.Sequential\(\*pipe\)"):
+        torch.jit.trace(pipe, x)
+    with pytest.raises(RuntimeError, match=r"torch\.export cannot record a Pipe"):
+        torch.export.export(pipe, (x,))
