@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from seqpipe.core.arguments import check_checkpoint_every, check_chunks
 from seqpipe.core.batchnorm import convert_deferred_batch_norm
 from seqpipe.core.checkpoint import check_mode, checkpoint_stop
+from seqpipe.core.fixed_layers import FixedLayers
 from seqpipe.core.loss_weights import CountFn
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.partition import (
@@ -106,7 +107,7 @@ class _Call:
         return input_grad(self.input, j, self.microbatches, self.run.input_grads)
 
 
-class Pipe(nn.Module):
+class Pipe(FixedLayers):
     """Wraps an ``nn.Sequential`` so it runs as a pipeline over one or more devices.
 
     The module is wrapped in place: its layers stay the same objects, registered under

@@ -359,6 +359,10 @@ def _user_objects_on_two_ranks(rank: int, world: int) -> None:
                 for net in (plain, pipe):
                     if hasattr(net, "7"):
                         net.get_submodule("7").requires_grad_(False)
+            if step == 2 and hasattr(pipe, "7"):
+                with pytest.raises(TypeError, match="layer '7' of this DistributedPipe cannot "
+                                                    "be replaced"):
+                    pipe.add_module("7", nn.Linear(8, 4))
             plain.zero_grad(set_to_none=True)
             pipe.zero_grad(set_to_none=True)
             expected = nn.functional.mse_loss(plain(x), target)
@@ -379,7 +383,8 @@ def test_distributed_pipe_trains_the_users_objects_as_the_plain_model() -> None:
     """Module hooks (gradient-modifying backward hooks, a kwargs forward hook), weight norm
     and orthogonal parametrizations, a layer calling ``autograd.grad`` in its forward
     (checkpointed: it raised before), a parameter replaced after wrapping with a clipping
-    hook, and ``requires_grad_(False)`` between steps, under three schedules."""
+    hook, and ``requires_grad_(False)`` between steps, under three schedules; a layer
+    replaced after wrapping is refused by name (it was silently not run)."""
     from distributed_harness import run_workers
     run_workers(_user_objects_on_two_ranks, 2, timeout=180, pg_timeout=60)
 
@@ -396,3 +401,31 @@ def test_jit_trace_and_export_of_a_pipe_are_refused_by_name() -> None:
         torch.jit.trace(pipe, x)
     with pytest.raises(RuntimeError, match=r"torch\.export cannot record a Pipe"):
         torch.export.export(pipe, (x,))
+
+
+# -- replacing a layer after wrapping -------------------------------------------------------
+@pytest.mark.parametrize("how", ["setattr", "add_module", "register_module", "delattr",
+                                 "convert_sync_batchnorm"])
+def test_replacing_a_layer_after_wrapping_is_refused_by_name(how: str) -> None:
+    """The pipe's ``parameters()`` and ``state_dict()`` showed the new layer (an optimizer
+    trained it) while the partitions kept running the old one: silently."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 4)).double()
+    pipe = piped(model)
+    head = nn.Linear(8, 2).double()
+    with pytest.raises(TypeError, match=r"layer '(4|1)' of this Pipe cannot be (replaced|removed)"
+                                        r" after the pipe is built.*before wrapping"):
+        if how == "setattr":
+            setattr(pipe, "4", head)
+        elif how == "add_module":
+            pipe.add_module("4", head)
+        elif how == "register_module":
+            pipe.register_module("4", head)
+        elif how == "delattr":
+            delattr(pipe, "4")
+        else:
+            nn.SyncBatchNorm.convert_sync_batchnorm(pipe)
+    assert pipe[4] is model[4] and pipe.partitions[1][-1] is model[4]
+    pipe[2].weight = nn.Parameter(torch.zeros(8, 8, dtype=torch.float64))  # in place: fine
+    pipe.extra = 3  # any other attribute: fine
+    assert pipe(batch()).shape == (8, 4)
