@@ -157,6 +157,23 @@ def test_a_hook_registered_after_the_forward_fires_once_with_the_whole_gradient(
         assert len(calls["pipe"]) == len(calls["plain"]) == step + 1
 
 
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_hook_registered_after_the_forward_fires_once_under_autograd_grad(mode: str) -> None:
+    plain, model = mlp(), mlp()
+    pipe = piped(model, mode)
+    x = batch()
+    expected, got = plain(x), pipe(x)
+    calls: Dict[str, List[int]] = {"plain": [], "pipe": []}
+    plain[2].weight.register_hook(_clip(calls["plain"]))
+    model[2].weight.register_hook(_clip(calls["pipe"]))
+    want = torch.autograd.grad(expected.square().sum(), [plain[2].weight, plain[0].weight])
+    have = torch.autograd.grad(got.square().sum(), [model[2].weight, model[0].weight])
+    for a, b in zip(have, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert len(calls["pipe"]) == len(calls["plain"]) == 1
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_hooks_hidden_during_a_failed_backward_are_back_afterwards() -> None:
     class Fails(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
