@@ -363,6 +363,11 @@ def _user_objects_on_two_ranks(rank: int, world: int) -> None:
         plain = _dist_model()
         pipe = DistributedPipe(_dist_model(), chunks=4, balance=balance, schedule=schedule,
                                checkpoint=checkpoint)
+        if schedule == "1f1b":  # refused before anything runs: the pipe stays usable
+            for disabled in (torch.no_grad, torch.inference_mode):
+                with disabled(), pytest.raises(RuntimeError, match="gradients are disabled"):
+                    pipe.train_step(batch() if pipe.is_first else None,
+                                    target if pipe.is_last else None, nn.functional.mse_loss)
         for step in range(3):
             x = batch() * (step + 1)
             if step == 1:  # a parameter replaced after wrapping, and a hook on it
@@ -401,7 +406,9 @@ def test_distributed_pipe_trains_the_users_objects_as_the_plain_model() -> None:
     and orthogonal parametrizations, a layer calling ``autograd.grad`` in its forward
     (checkpointed: it raised before), a parameter replaced after wrapping with a clipping
     hook, and ``requires_grad_(False)`` between steps, under three schedules; a layer
-    replaced after wrapping is refused by name (it was silently not run)."""
+    replaced after wrapping is refused by name (it was silently not run), and so is
+    ``train_step`` under ``no_grad``/``inference_mode`` (it failed in a weight backward
+    and left the pipe failed for every later call)."""
     from distributed_harness import run_workers
     run_workers(_user_objects_on_two_ranks, 2, timeout=180, pg_timeout=60)
 
