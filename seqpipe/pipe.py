@@ -34,6 +34,7 @@ from seqpipe.local.direct import (
     whole_backward,
 )
 from seqpipe.local.forward_ad import refuse_dual
+from seqpipe.local.outer_checkpoint import refuse_outer_checkpoint
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
@@ -276,6 +277,8 @@ class Pipe(FixedLayers):
                 shape, outputs = run_direct(pipeline.stages[0], given, grad)
                 return shape.like(outputs).value
         sink = pipeline.open_sink() if torch.is_grad_enabled() else None
+        if sink is not None and len(pipeline.stages) > 1:
+            refuse_outer_checkpoint()  # torch.utils.checkpoint around the call, by name
         grad = sink is not None and (
             bool(sink.params) or any(t.requires_grad for t in batch.tensors))
         call = _Call(self, given, sink, grad)
