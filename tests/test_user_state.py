@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.utils.parametrize as parametrize
+from test_skip_pipe import PopA, StashA
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations
 
 from seqpipe import Pipe
-from seqpipe.skip import pop, skippable, stash
 
 MODES = ["never", "except_last", "always"]
 
@@ -49,20 +49,6 @@ def assert_same_grads(plain: nn.Module, pipe: nn.Module) -> None:
 
 
 # -- copy.deepcopy, pickle, torch.save of a whole Pipe ----------------------------------------
-@skippable(stash=["s"])
-class Stash(nn.Module):
-    def forward(self, x: Tensor) -> Any:
-        yield stash("s", x)
-        return x
-
-
-@skippable(pop=["s"])
-class Pop(nn.Module):
-    def forward(self, x: Tensor) -> Any:
-        skipped = yield pop("s")
-        return x + skipped
-
-
 def _deepcopy(pipe: Pipe) -> Pipe:
     return copy.deepcopy(pipe)
 
@@ -83,7 +69,7 @@ def test_a_pipe_copies_whole_and_the_copy_trains_its_own_layers(copier: Callable
     """``copy.deepcopy(pipe)`` (an EMA model, a frozen teacher) and ``torch.save(pipe)``: the
     skip layout's read-only index could not be pickled, so both raised ``TypeError``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6), Stash(), nn.Tanh(), nn.Linear(6, 6), Pop(),
+    model = nn.Sequential(nn.Linear(6, 6), StashA(), nn.Tanh(), nn.Linear(6, 6), PopA(),
                           nn.Linear(6, 4)).double()
     pipe = Pipe(model, chunks=4, balance=[2, 2, 2], devices=["cpu"] * 3)
     x = batch()
