@@ -7,6 +7,7 @@ cannot match the plain model.
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import io
 import pickle
@@ -457,3 +458,40 @@ def test_a_non_reentrant_checkpoint_around_a_pipe_is_refused_by_name() -> None:
     out.square().sum().backward()
     plain(x.detach()).square().sum().backward()
     assert_same_grads(plain, model)
+
+
+# -- a ContextVar set around the call ---------------------------------------------------------
+SCALE: "contextvars.ContextVar[float]" = contextvars.ContextVar("SCALE", default=1.0)
+
+
+class ScaledByContext(nn.Linear):
+    """Reads a library-style setting held in a ``ContextVar`` (in forward, recomputation and
+    backward alike)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * SCALE.get()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_context_variable_set_around_the_call_reaches_every_stage(mode: str) -> None:
+    """The stages after the first run on worker threads, which saw the variable's default."""
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(ScaledByContext(6, 8), nn.Tanh(), ScaledByContext(8, 8),
+                             nn.Tanh(), ScaledByContext(8, 4)).double()
+
+    plain, model = build(), build()
+    pipe = piped(model, mode)
+    x = batch()
+    token = SCALE.set(3.0)
+    try:
+        expected, got = plain(x), pipe(x)
+        expected.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        assert_same_grads(plain, model)
+        target = torch.zeros(8, 4, dtype=torch.float64)
+        loss = pipe.train_step(x, target, nn.functional.mse_loss)
+        torch.testing.assert_close(loss, nn.functional.mse_loss(plain(x), target))
+    finally:
+        SCALE.reset(token)
