@@ -375,7 +375,6 @@ class DirectSink(GradSink):
             return
         self.take()
 
-
     def _restore_hooks(self) -> None:
         hidden, self._hidden = self._hidden, None
         if hidden:
