@@ -95,8 +95,8 @@ def test_learning_an_opaque_units_sizes_changes_nothing_and_what_it_cannot_is_re
     model.eval()
     torch.testing.assert_close(seq(*args), model(*args), **TOL)
 
-    with pytest.raises(ConversionError, match=r"output 0 of unit 'flat' \(which cannot be "
-                                              r"traced: it runs as an opaque call\) has a size "
+    with pytest.raises(ConversionError, match=r"output 0 of unit 'flat' \(an opaque call: its "
+                                              r"outputs are learned by running it\) has a size "
                                               r"in dim 0 \(96\) that is no size of its inputs.*"
                                               r"Choose units whose outputs keep"):
         to_sequential(FlatNet().double(), args)
@@ -156,9 +156,96 @@ def test_an_opaque_unit_whose_sizes_follow_values_both_probes_missed_fails_when_
     torch.testing.assert_close(seq(x, mask), model(x, mask), **TOL)  # another batch: fine
     x[1] = 1e4
     model(x, mask)  # the model itself runs: the mean of the 2 rows kept
-    with pytest.raises(ValueError, match=r"output 0 of unit 'clip' \(which cannot be traced: "
-                                         r"it runs as an opaque call\) has sizes \(2, 16\), "
-                                         r"but to_sequential inferred \(3, 16\) for these "
-                                         r"input sizes .*depend on its input values.*Choose "
-                                         r"units whose outputs keep their inputs' sizes"):
+    with pytest.raises(ValueError, match=r"output 0 of unit 'clip' has sizes \(2, 16\), but "
+                                         r"to_sequential inferred \(3, 16\) for these input "
+                                         r"sizes .*it runs as an opaque call.*depend on its "
+                                         r"input values.*Choose units whose outputs keep "
+                                         r"their inputs' sizes"):
+        seq(x, mask)
+
+
+class Unmasked(Routed):
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:  # autocast: one dtype either way
+        return torch.tanh(self.up(h)) if h.sum() > 0 else self.down(h)
+
+
+class DtypeNet(nn.Module):
+    """Glue that branches on an opaque unit's output dtype (as code that clamps a float16
+    activation does): the trace fixes the branch the conversion's dtype takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.block, self.head = nn.Linear(5, WIDTH), Unmasked(), nn.Linear(WIDTH, 5)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.block(self.stem(x), mask[:, None]) * mask[:, None]
+        if h.dtype == torch.bfloat16:
+            h = h.float() * 2
+        return self.head(h)
+
+
+class Counted(Routed):
+    def forward(self, h: Tensor, mask: Tensor) -> Any:  # and how many rows hold a huge value
+        return super().forward(h, mask), int((h.abs().amax(1) > 100).sum())
+
+
+class CountNet(MeanNet):
+    def __init__(self, unit: nn.Module) -> None:
+        super().__init__()
+        self.clip = unit
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h, n = self.clip(self.stem(x), mask[:, None])
+        return self.head(h) * (n + 1)  # the glue reads the count
+
+
+class Moving(Routed):
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:  # a huge value: another device
+        out = super().forward(h, mask)
+        return out.to("meta") if bool(h.abs().amax() > 100) else out
+
+
+def test_an_opaque_units_dtype_device_and_non_tensor_outputs_are_checked_at_every_call() -> None:
+    # the glue after an opaque unit was traced with the dtype, device and non-tensor values
+    # its probes showed; on main each of these changes flowed on silently: under autocast
+    # the dtype branch stayed fixed (off by up to 0.66), the count stayed the traced
+    # constant 0 (off by 17), and a value-dependent count was fixed at conversion
+    x, mask = torch.randn(4, 5), torch.ones(4)
+    model = DtypeNet()
+    seq = to_sequential(model, (x, mask))
+    assert [layer.opaque for layer in seq] == [False, True, False]
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            ValueError, match=r"output 0 of unit 'block' is dtype torch.bfloat16, but when "
+                              r"converting to_sequential learned torch.float32 .*convert under "
+                              r"the same autocast"):
+        seq(x, mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the mend: convert under autocast
+        seq = to_sequential(model, (x, mask))
+        torch.testing.assert_close(seq(x, mask), model(x, mask), atol=0, rtol=0)
+
+    model = CountNet(Counted()).double()
+    args, _, _ = example("routed")
+    seq = to_sequential(model, args)  # no huge value on zeros or random values: count 0
+    x, mask = torch.randn(3, 5, dtype=torch.double), torch.ones(3, dtype=torch.double)
+    torch.testing.assert_close(seq(x, mask), model(x, mask), **TOL)
+    x[1] = 1e4
+    with pytest.raises(ValueError, match=r"output 1 of unit 'clip' is 1, but when converting "
+                                         r"to_sequential learned 0 \(a constant of the traced "
+                                         r"glue\) .*return it as a tensor"):
+        seq(x, mask)
+    counting = CountNet(Counted()).double()
+    counting.clip.forward = lambda h, mask: (Routed.forward(counting.clip, h, mask),
+                                             int((h > 0).sum()))  # follows any values
+    with pytest.raises(ConversionError, match=r"output 1 of unit 'clip' \(an opaque call: its "
+                                              r"outputs are learned by running it\) has a value "
+                                              r"that depends on its input values \(0 on zeros, "
+                                              r"\d+ on other values\); return it as a tensor"):
+        to_sequential(counting, args)
+
+    model = MeanNet().double()
+    model.clip = Moving().double()
+    seq = to_sequential(model, args)
+    with pytest.raises(ValueError, match=r"output 0 of unit 'clip' is device meta, but when "
+                                         r"converting to_sequential learned cpu \(the device "
+                                         r"of its first tensor input\)"):
         seq(x, mask)
