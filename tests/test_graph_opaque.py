@@ -249,3 +249,58 @@ def test_an_opaque_units_dtype_device_and_non_tensor_outputs_are_checked_at_ever
                                          r"converting to_sequential learned cpu \(the device "
                                          r"of its first tensor input\)"):
         seq(x, mask)
+
+
+def test_units_named_in_opaque_run_opaque_and_train_as_the_traced_ones() -> None:
+    # Llama's layers trace fine; opaque= makes them (by class) and the final norm (by name)
+    # opaque calls instead, learned by running them: the plain call as the traced
+    # conversion's and the plain model's, and three steps through Pipe exactly as the
+    # plain model
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    model, plain = build("llama"), build("llama")
+    args, kwargs, _ = example("llama")
+    seq = to_sequential(model, args, kwargs, opaque=[LlamaDecoderLayer, "model.norm"])
+    assert [(layer.unit, layer.opaque) for layer in seq] == [
+        ("model.embed_tokens", False), ("model.rotary_emb", False), ("model.layers.0", True),
+        ("model.layers.1", True), ("model.norm", True), ("lm_head", False)]
+    traced = to_sequential(model, args, kwargs)
+    assert not any(layer.opaque for layer in traced)
+    x, kw, _ = example("llama", batch=5, step=3)
+    got = seq(*x, **kw).logits
+    torch.testing.assert_close(got, traced(*x, **kw).logits, **TOL)
+    torch.testing.assert_close(got, plain(*x, **kw).logits, **TOL)
+    pipe = Pipe(seq, chunks=2, balance=[3, 3], devices=["cpu", "cpu"])
+
+    def step(batch: Any, target: Tensor) -> Tensor:
+        return pipe.train_step(seq.origin.pipeline_input(*batch[0], **batch[1]), target,
+                               loss_of("llama"), schedule="1f1b")
+
+    train_both("llama", step, dict(model.named_parameters(remove_duplicate=False)), plain, 2,
+               close(TOL))
+
+
+def test_opaque_names_units_or_their_classes_and_anything_else_is_refused() -> None:
+    args, _, _ = example("tables")
+    model = build("tables")
+    cases = [
+        (["blocks.0.fc"], r"opaque= names 'blocks.0.fc', which is not a unit: it is inside "
+                          r"unit 'blocks.0'; name that unit"),
+        (["blocks"], r"opaque= names 'blocks', which is not a unit: the units are 'stem' "
+                     r"\(Linear\), 'tables' \(Tables\), 'blocks.0' \(Keyed\), 'blocks.1' "
+                     r"\(Keyed\), 'head' \(Linear\); opaque= names units"),
+        ([nn.Conv2d], r"opaque= names class Conv2d, but no unit is one: the units are 'stem'"),
+        ([3], r"opaque= entries are unit names \(like 'encoder.layers.0'\) or nn.Module "
+              r"classes, got 3"),
+        (["tables"], r"opaque= names \['tables'\], which the forward on the example does not "
+                     r"call exactly once: such a unit is traced as glue"),
+    ]
+    for opaque, message in cases:
+        with pytest.raises(ConversionError, match=message):
+            to_sequential(model, args, opaque=opaque)
+    with pytest.raises(TypeError, match=r"opaque= takes a list of unit names and module "
+                                        r"classes, e.g. opaque=\['head'\], not a single one"):
+        to_sequential(model, args, opaque="head")
+    seq = to_sequential(model, args, opaque=[nn.Linear, "blocks.1"])  # a class, and a name
+    assert [(layer.unit, layer.opaque) for layer in seq] == [
+        ("stem", True), ("blocks.0", False), ("blocks.1", True), ("head", True)]
+    torch.testing.assert_close(seq(*args), model(*args), **TOL)
