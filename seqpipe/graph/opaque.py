@@ -46,6 +46,7 @@ from torch.overrides import _len_torch_function_stack, _pop_mode, _push_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from seqpipe.graph.errors import ConversionError
+from seqpipe.graph.opaque_check import PLAIN
 
 __all__ = ["Opaque", "choose_opaque", "stand_ins"]
 
@@ -271,7 +272,7 @@ def _same_outputs(name: str, zeros: List[Any], noise: List[Any]) -> None:
     input values did (the glue after it would be traced with those of the zeros)."""
     for index, (a, b) in enumerate(zip(zeros[1:], noise[1:])):
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-            if a is b or (type(a) is type(b) and a == b):
+            if a is b or (type(a) is type(b) and (a == b or not isinstance(a, PLAIN))):
                 continue
             what, seen = "a value that depends", f"{a!r} on zeros, {b!r} on other values"
             mend = ("return it as a tensor (torch.tensor(n), or the 0-dim tensor itself "

@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["OutputPlan", "check_outputs", "output_plan"]
+__all__ = ["PLAIN", "OutputPlan", "check_outputs", "output_plan"]
 
+PLAIN = (int, float, str, type(None))  # non-tensor outputs compared by value (bool: an int)
 Size = Union[int, Tuple[int, int], None]  # a constant; (input, dim), dim -1: the input itself
 # (tensor outputs: (index, sizes, dtype)), (non-tensor outputs: (index, value)), and the
 # index of the first tensor input, whose device every tensor output shares (None: no check)
@@ -33,8 +34,9 @@ def output_plan(inputs: Sequence[Any], outputs: Dict[int, Any],
     """What ``check_outputs`` checks after one opaque call: ``inputs`` are the call's flat
     inputs and ``outputs`` its flat tensor outputs by index, as traced (fake tensors,
     symbolic sizes); ``constants`` its non-tensor outputs by index, as the trace fixed
-    them. An output size is a constant or the first input size with the same expression
-    (``opaque._fake_outputs`` wrote it so); one that is neither (None) is left unchecked."""
+    them (those of ``PLAIN`` types are checked by value). An output size is a constant or
+    the first input size with the same expression (``opaque._fake_outputs`` wrote it so);
+    one that is neither (None) is left unchecked."""
     found: Dict[Any, Tuple[int, int]] = {}
     for j, value in enumerate(inputs):
         sizes = enumerate(value.shape) if isinstance(value, torch.Tensor) else [(-1, value)]
@@ -47,7 +49,8 @@ def output_plan(inputs: Sequence[Any], outputs: Dict[int, Any],
             tensors.append((index, tuple(found.get(s.node.expr) if isinstance(s, torch.SymInt)
                                          else int(s) for s in value.shape), value.dtype))
     first = next((j for j, v in enumerate(inputs) if isinstance(v, torch.Tensor)), None)
-    return tuple(tensors), tuple(sorted(constants.items())), first
+    plain = sorted((i, v) for i, v in constants.items() if isinstance(v, PLAIN))
+    return tuple(tensors), tuple(plain), first
 
 
 def check_outputs(flat: List[Any], inputs: List[Any], plan: OutputPlan,
