@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from seqpipe.graph.errors import ConversionError
 from seqpipe.graph.opaque_check import PLAIN
 
-__all__ = ["Opaque", "choose_opaque", "stand_ins"]
+__all__ = ["CHOSEN", "Opaque", "choose_opaque", "stand_ins"]
 
 
 CHOSEN = "named in opaque="  # the reason of a unit the user made opaque
