@@ -184,6 +184,27 @@ class DtypeNet(nn.Module):
         return self.head(h)
 
 
+class Widening(Routed):
+    """Computes in float32 and answers in its input's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(5, WIDTH), nn.Linear(5, WIDTH)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return super().forward(x.float(), mask.float()).to(x.dtype)
+
+
+class WideningNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = Widening(), nn.Linear(WIDTH, 5)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.block(x, mask[:, None])
+        return self.head(h.float() * 2 if h.dtype == torch.bfloat16 else h.float())
+
+
 class Counted(Routed):
     def forward(self, h: Tensor, mask: Tensor) -> Any:  # and how many rows hold a huge value
         return super().forward(h, mask), int((h.abs().amax(1) > 100).sum())
@@ -207,9 +228,10 @@ class Moving(Routed):
 
 def test_an_opaque_units_dtype_device_and_non_tensor_outputs_are_checked_at_every_call() -> None:
     # the glue after an opaque unit was traced with the dtype, device and non-tensor values
-    # its probes showed; on main each of these changes flowed on silently: under autocast
-    # the dtype branch stayed fixed (off by up to 0.66), the count stayed the traced
-    # constant 0 (off by 17), and a value-dependent count was fixed at conversion
+    # its probes showed. On main, under autocast the dtype branch stayed fixed (silently
+    # off by up to 0.66), the count stayed the traced constant 0 (silently off by 17), a
+    # count that follows any values was fixed at conversion; another input dtype and
+    # another device failed later in torch's own asserts, naming no unit
     x, mask = torch.randn(4, 5), torch.ones(4)
     model = DtypeNet()
     seq = to_sequential(model, (x, mask))
@@ -222,6 +244,11 @@ def test_an_opaque_units_dtype_device_and_non_tensor_outputs_are_checked_at_ever
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the mend: convert under autocast
         seq = to_sequential(model, (x, mask))
         torch.testing.assert_close(seq(x, mask), model(x, mask), atol=0, rtol=0)
+    seq = to_sequential(WideningNet(), (x, mask))  # its output dtype is its input's
+    with pytest.raises(ValueError, match=r"output 0 of unit 'block' is dtype torch.bfloat16, "
+                                         r"but when converting to_sequential learned "
+                                         r"torch.float32"):
+        seq(x.bfloat16(), mask)  # (main: export's own dtype assert failed, naming nothing)
 
     model = CountNet(Counted()).double()
     args, _, _ = example("routed")
