@@ -488,7 +488,7 @@ def _zoo_example(name: str, batch: int, gen: torch.Generator
         types[:, LENGTH // 2:] = 1
         return (ids,), {"attention_mask": mask, "token_type_ids": types}, torch.randint(
             LABELS, (batch,), generator=gen)
-    if name in ("mamba", "mamba2", "rwkv"):  # no attention mask: a state runs left to right
+    if name == "rwkv":  # no attention mask (RWKV ignores one)
         return (ids,), {"use_cache": False}, target
     kwargs: Dict[str, Any] = {"attention_mask": mask, "use_cache": False}
     if name in ("t5", "bart"):
