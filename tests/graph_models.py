@@ -451,8 +451,8 @@ def build(name: str) -> nn.Module:
     """A fresh model, the same on every call (and every rank), in double precision (GPT-2:
     float32)."""
     torch.manual_seed(0)
-    if name in ZOO or name in BY_HAND:
-        return zoo_model(name).double()
+    if name in ZOO or name in BY_HAND or name == "t5-labels":
+        return zoo_model(name.split("-")[0]).double()
     if name == "mixtral":  # bfloat16: torch's grouped_mm traces only that (see docs/models.md)
         return zoo_model(name).to(torch.bfloat16)
     if name == "mixtral-fp32":  # its layers cannot be traced: opaque units
@@ -500,6 +500,10 @@ def example(name: str, batch: int = 6, step: int = 0
             ) -> Tuple[Tuple[Any, ...], Dict[str, Any], Tensor]:
     """``(args, kwargs, target)`` of one batch for ``name``."""
     gen = torch.Generator().manual_seed(100 + step)
+    if name == "t5-labels":  # labels instead of decoder_input_ids: the glue shifts them
+        args, kwargs, target = _zoo_example("t5", batch, gen)
+        del kwargs["decoder_input_ids"]
+        return args, {**kwargs, "labels": target}, target
     if name in ZOO or name in BY_HAND or name.startswith("mixtral"):
         return _zoo_example(name, batch, gen)
     if name.startswith("flags") or name == "tables":
@@ -543,6 +547,8 @@ def loss_of(name: str) -> Any:
         return F.cross_entropy
     if name in ("t5", "bart", "whisper"):  # (logits, encoder_last_hidden_state)
         return lambda out, y: _token_loss(out[0], y)
+    if name == "t5-labels":  # (loss, logits, encoder_last_hidden_state): its own loss
+        return lambda out, y: out[0]
     if name in FLOAT_LOGITS:
         return lambda logits, y: _token_loss(logits.double(), y)
     return _token_loss
@@ -559,6 +565,8 @@ def model_loss(name: str, output: Any, target: Tensor) -> Tensor:
         return F.cross_entropy(output["logits"], target)
     if name in FLOAT_LOGITS:
         return _token_loss(output.logits.double(), target)
+    if name == "t5-labels":
+        return output.loss
     if name == "gpt2" or name.startswith("mixtral") or name in ZOO or name in BY_HAND:
         return _token_loss(output.logits, target)
     return loss_of(name)(output, target)
