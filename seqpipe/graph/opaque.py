@@ -71,7 +71,7 @@ class Opaque:
         """Why unit ``name`` is opaque, as the refusals say it (with the extra mend of a
         unit the user chose)."""
         if self.reasons[name] == CHOSEN:
-            return "runs as an opaque call (opaque= names it; leave it out to trace it)"
+            return "is opaque (opaque= names it; leave it out to trace it)"
         return f"cannot be traced ({self.reasons[name]})"
 
     def __contains__(self, name: object) -> bool:
