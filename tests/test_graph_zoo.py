@@ -5,8 +5,8 @@ classifiers, Whisper, ConvNeXt, Swin, DeiT, Mamba, RWKV; Mixtral in bfloat16, an
 float32 through opaque units; Mamba-2 by hand, ``SEQPIPE_BY_HAND=1``), each with its
 documented call, trained through ``Pipe`` against the plain model (loss, every gradient
 and weight), T5 also from ``labels=`` alone; their default units; a model that computes
-its own loss from ``labels=``; torchvision's ResNet as written. docs/models.md, "Models tested", lists
-them."""
+its own loss from ``labels=``; torchvision's ResNet as written. docs/models.md, "Models
+tested", lists them."""
 from __future__ import annotations
 
 import os
