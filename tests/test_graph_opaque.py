@@ -108,6 +108,13 @@ def test_learning_an_opaque_units_sizes_changes_nothing_and_what_it_cannot_is_re
                                               r"depend on its input values \(\(0, 16\) on "
                                               r"zeros, \(\d+, 16\) on other values\)"):
         to_sequential(picky, args)
+    sized = CountNet(Counted()).double()
+    sized.clip.forward = lambda h, mask: (Routed.forward(sized.clip, h, mask), h.shape[0])
+    with pytest.raises(ConversionError, match=r"output 1 of unit 'clip' .* is a value that "
+                                              r"follows its input sizes \(6, 12.* at the sizes "
+                                              r"tried\).*return it as a tensor, or read the "
+                                              r"size in the code that uses it"):
+        to_sequential(sized, args)
     model.blocks[1] = Fragile().double()
     with pytest.raises(ConversionError, match=r"unit 'blocks.1' cannot be traced \(data-"
                                               r"dependent control flow.*in module 'blocks.1' at "

@@ -309,8 +309,13 @@ def _fake_outputs(name: str, flat: List[Any], probes: List[Dict[Any, int]],
     for index, first in enumerate(runs[0][1:], start=1):
         if not isinstance(first, torch.Tensor):
             if any(run[index] != first for run in runs):
-                raise ConversionError(f"unit {name!r} returns a value ({first!r}) that "
-                                      f"changes with its input sizes")
+                seen = ", ".join(repr(run[index]) for run in runs)
+                raise ConversionError(
+                    f"output {index - 1} of unit {name!r} (an opaque call: its outputs are "
+                    f"learned by running it) is a value that follows its input sizes ({seen} "
+                    f"at the sizes tried), which the glue after it would hold as a constant; "
+                    f"return it as a tensor, or read the size in the code that uses it "
+                    f"(h.shape[0]), or write the nn.Sequential by hand")
             leaves.append(first)
             continue
         shape: List[Any] = []
