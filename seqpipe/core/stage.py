@@ -14,6 +14,7 @@ the graph at every boundary is what lets each stage's backward run on its own th
 from __future__ import annotations
 
 import functools
+import operator
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -47,6 +48,7 @@ from seqpipe.skip.tracker import SkipKey, StageSkipTracker, swap_skip_tracker
 __all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "moved", "wants_grad"]
 
 Crossing = Callable[[SkipKey], bool]
+_TRAINING = operator.attrgetter("training")
 
 
 class Stage:
@@ -113,14 +115,16 @@ class Stage:
                 tensors = tuple([t.clone() for t in tensors])
             return self._in_task(tracker, sink, self.partition,
                                  tensors[0] if atomic else Batch(tensors, atomic, constants).value)
-        modes = tuple([layer.training for layer in self.partition._modules.values()])
+        modes = tuple(map(_TRAINING, self.partition._modules.values()))  # the layers' flags
         copied = protect or caller.copies(modes)
         if copied:
             tensors = tuple([t.clone() for t in tensors])
         before = versions(tensors)
         out = self._in_task(tracker, sink, self.partition,
                             tensors[0] if atomic else Batch(tensors, atomic, constants).value)
-        caller.saw(modes, copied, before, versions(tensors))
+        after = versions(tensors)
+        if copied or before != after:  # (else nothing to learn)
+            caller.saw(modes, copied, before, after)
         return out
 
     def run_inline(self, tensors: Tuple[Tensor, ...], like: Optional[Batch],

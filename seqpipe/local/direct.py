@@ -149,14 +149,17 @@ class _ExitOne(_Exit):
 
 def any_trainable(module: nn.Module) -> bool:
     """Whether some parameter of ``module`` (or of its submodules) requires grad:
-    ``any(p.requires_grad for p in module.parameters())``, walked without generators (a
-    call's fixed cost)."""
-    for param in module._parameters.values():
-        if param is not None and param.requires_grad:
-            return True
-    for child in module._modules.values():
-        if child is not None and any_trainable(child):
-            return True
+    ``any(p.requires_grad for p in module.parameters())``, walked in one frame, without
+    generators or recursion (a call's fixed cost)."""
+    modules = [module]
+    while modules:
+        current = modules.pop()
+        for param in current._parameters.values():
+            if param is not None and param.requires_grad:
+                return True
+        for child in current._modules.values():
+            if child is not None:  # (a module registered as None)
+                modules.append(child)
     return False
 
 
@@ -173,11 +176,12 @@ class DirectCall:
     def __call__(self, module: nn.Module, input: Any, given: Optional[Input], chunks: int,
                  checkpoint: str) -> Optional[TensorOrTensors]:
         """The output of ``module`` (the pipe, with ``chunks`` and ``checkpoint``) for
-        ``input``, run as the plain model; ``None`` where this call cannot be (one
-        micro-batch with every tensor on the CPU, not checkpointed, nothing tracing, no
-        ``DistributedDataParallel`` forward): the engine runs it. ``given`` is
+        ``input``, run as the plain model in the caller's graph; ``None`` where this call
+        cannot be (one micro-batch with every tensor on the CPU, not checkpointed, nothing
+        tracing, no ``DistributedDataParallel`` forward): the engine runs it. ``given`` is
         ``Input.of(input)``, or ``None`` for a tensor with a batch dimension (the common
-        case, read without making one)."""
+        case, read without making one). Its deferred BatchNorm statistics are committed (or
+        dropped on failure). One function: each call here is a call's fixed cost."""
         if given is None:
             tensors: Tuple[Tensor, ...] = (input,)
             if not input.is_cpu or (chunks != 1 and input.shape[0] != 1):
@@ -197,22 +201,16 @@ class DirectCall:
         grad = torch.is_grad_enabled() and (trains or any_trainable(module))
         if grad and module.training and checkpoint_stop(checkpoint, 1):
             return None
-        return self._run(tensors, None if given is None else given.batch, grad)
-
-    def _run(self, tensors: Tuple[Tensor, ...], like: Optional[Batch],
-             grad: bool) -> TensorOrTensors:
-        """The partition on ``tensors`` (placed as in ``like``; ``None``: one tensor) in the
-        caller's graph (with ``grad``, which only a caller in grad mode gives; else under
-        ``no_grad``); its deferred BatchNorm statistics committed (or dropped on failure)."""
-        stage = self.stage
-        if grad:
+        if trains and grad:
             for tensor in tensors:
-                if wants_grad(tensor):
+                if wants_grad(tensor):  # they enter as non-leaf tensors (the engine's do)
                     tensors = _Enter.apply(*tensors)
                     break
+        stage = self.stage
         tracker = StageSkipTracker(stage.crossing, {}) if self.skips else None
+        like = None if given is None else given.batch
         try:
-            if grad:  # grad mode is on already (``__call__`` asked)
+            if grad:  # grad mode is on already (asked above)
                 ran = stage.run_inline(tensors, like, tracker)
             else:
                 with torch.no_grad():
