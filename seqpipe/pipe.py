@@ -158,7 +158,7 @@ class Pipe(nn.Module):
                   for i, (part, dev) in enumerate(zip(partitions, placed))]
         self._pipeline = LocalPipeline(stages, layout)
         # One micro-batch of one cpu partition runs as the plain model (seqpipe.local.direct).
-        self._direct = DirectCall(stages[0], len(layout) > 0) if len(stages) == 1 and \
+        self._direct = DirectCall(stages[0]) if len(stages) == 1 and \
             stages[0].device.type == "cpu" and not self._pipeline.isolate_rng else None
         self._pending: Optional[TrainStep] = None  # a train_step run by DDP's forward
         self.origin: Optional[Origin] = getattr(module, "origin", None)  # see seqpipe.graph

@@ -209,20 +209,30 @@ class _Stash(nn.Module):
 
 @skippable(pop=["h"])
 class _Pop(nn.Module):
+    trackers: List[Any] = []  # the tracker each pop found
+
     def forward(self, x: Tensor) -> Any:
+        self.trackers.append(current_skip_tracker())
         h = yield pop("h")
         return x * h
 
 
-def test_a_model_with_skips_runs_direct_with_a_tracker_of_its_own(no_engine: None) -> None:
-    """A layout with skips gets a tracker per call (without skips none is made, as no
-    layer asks): the plain model's outputs and gradients, the thread's tracker untouched."""
+@pytest.mark.parametrize("depth", ["top", "nested"])
+def test_a_model_with_skips_runs_direct_with_a_tracker_of_its_own(
+        depth: str, no_engine: None) -> None:
+    """A partition with skippable layers (at its top level, or nested in a layer) gets a
+    tracker per call (one without gets none, as no layer asks): the plain model's outputs
+    and gradients, the thread's tracker untouched."""
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(6, 6), _Stash(), nn.Linear(6, 6), _Pop()).double()
+    layers = [nn.Linear(6, 6), _Stash(), nn.Linear(6, 6), _Pop()]
+    plain = (nn.Sequential(*layers) if depth == "top" else
+             nn.Sequential(layers[0], nn.Sequential(*layers[1:]))).double()
     pipe = _pipe(copy.deepcopy(plain))
     x = torch.randn(4, 6, dtype=torch.float64)
     outside = current_skip_tracker()
+    _Pop.trackers.clear()
     pipe(x).pow(2).sum().backward()
+    assert _Pop.trackers[-1] is not outside
     plain(x).pow(2).sum().backward()
     for (name, a), b in zip(pipe.named_parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad), name

@@ -47,6 +47,7 @@ from seqpipe.core.checkpoint import checkpoint_stop
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.sink import ddp_forward_running
 from seqpipe.core.stage import Sent, Stage, wants_grad
+from seqpipe.skip.skippable import is_skippable
 from seqpipe.skip.tracker import StageSkipTracker
 from seqpipe.trace import hooks
 
@@ -165,13 +166,14 @@ def any_trainable(module: nn.Module) -> bool:
 
 class DirectCall:
     """A ``Pipe``'s calls that run as the plain model (module docstring), made once with a
-    pipe of one ``cpu`` partition (so no private random streams either); its layout has
-    ``skips`` or not (without, no layer asks for a skip tracker: none is made per call)."""
+    pipe of one ``cpu`` partition (so no private random streams either)."""
 
-    def __init__(self, stage: Stage, skips: bool) -> None:
+    def __init__(self, stage: Stage) -> None:
         assert stage.device.type == "cpu", "a DirectCall runs a cpu stage"
         self.stage = stage
-        self.skips = skips
+        # Whether a skippable layer (at any depth) may ask for a skip tracker: a call makes
+        # one only then. Read once, as the engine reads the skip layout.
+        self.skips = any(is_skippable(layer) for layer in stage.partition.modules())
 
     def __call__(self, module: nn.Module, input: Any, given: Optional[Input], chunks: int,
                  checkpoint: str) -> Optional[TensorOrTensors]:
