@@ -109,29 +109,30 @@ class Stage:
         copied first with ``protect`` or where they are the caller's and its layers write
         them (see ``_call``). One function, not nested closures: this is every
         micro-batch's path, in both engines and the direct call."""
-        caller = self.caller_input
-        if caller is None:
-            if protect:
-                tensors = tuple([t.clone() for t in tensors])
-            return self._in_task(tracker, sink, self.partition,
-                                 tensors[0] if atomic else Batch(tensors, atomic, constants).value)
-        modes = tuple(map(_TRAINING, self.partition._modules.values()))  # the layers' flags
-        copied = protect or caller.copies(modes)
+        caller = self.caller_input  # (the first stage's: the caller's input)
+        copied = protect
+        if caller is not None:
+            modes = tuple(map(_TRAINING, self.partition._modules.values()))  # layer flags
+            copied = protect or caller.copies(modes)
         if copied:
             tensors = tuple([t.clone() for t in tensors])
-        before = versions(tensors)
-        out = self._in_task(tracker, sink, self.partition,
-                            tensors[0] if atomic else Batch(tensors, atomic, constants).value)
-        after = versions(tensors)
-        if copied or before != after:  # (else nothing to learn)
-            caller.saw(modes, copied, before, after)
+        before = None if caller is None else versions(tensors)
+        value = tensors[0] if atomic else Batch(tensors, atomic, constants).value
+        if tracker is None:  # (run_inline's: no tracker asked for, no sink)
+            out = self.partition(value)
+        else:
+            out = self._in_task(tracker, sink, self.partition, value)
+        if caller is not None:
+            after = versions(tensors)
+            if copied or before != after:  # (else nothing to learn)
+                caller.saw(modes, copied, before, after)
         return out
 
     def run_inline(self, tensors: Tuple[Tensor, ...], like: Optional[Batch],
                    tracker: Optional[StageSkipTracker]) -> Union[Tensor, Sent]:
         """The whole partition on ``tensors`` (placed as in ``like``; ``None``: one tensor),
         not checkpointed, in the current grad mode and graph (no entry node), with
-        ``tracker`` (``None``: a layout without skips, where no layer asks for one): a
+        ``tracker`` (``None``: a partition without skippable layers, where none asks): a
         one-micro-batch call run as the plain model (``seqpipe.local.direct``). Returns a
         tensor output as it is where there is no tracker (nothing else to hand on)."""
         atomic, constants = (True, ()) if like is None else (like.atomic, like.constants)
@@ -140,12 +141,10 @@ class Stage:
             return out
         return self._sent(out, tracker)
 
-    def _in_task(self, tracker: Optional[StageSkipTracker], sink: Optional[GradSink],
+    def _in_task(self, tracker: StageSkipTracker, sink: Optional[GradSink],
                  layers: nn.Module, value: Any) -> Any:
         """Some of the partition's ``layers`` (all, or a segment) on ``value``, with the
-        task's tracker (``None``: the current one; see ``run_inline``) and ``sink``."""
-        if tracker is None:  # (run_inline: no sink either)
-            return layers(value)
+        task's tracker and ``sink``."""
         previous = swap_skip_tracker(tracker)  # use_skip_tracker, without a generator
         try:
             if sink is None:
