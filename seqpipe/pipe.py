@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from seqpipe.core.arguments import check_checkpoint_every, check_chunks
 from seqpipe.core.batchnorm import convert_deferred_batch_norm
 from seqpipe.core.checkpoint import check_mode, checkpoint_stop
+from seqpipe.core.fixed_layers import FixedLayers
 from seqpipe.core.loss_weights import CountFn
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.partition import (
@@ -30,9 +31,12 @@ from seqpipe.local.direct import (
     refuse_create_graph,
     whole_backward,
 )
+from seqpipe.local.forward_ad import refuse_dual
+from seqpipe.local.outer_checkpoint import refuse_outer_checkpoint
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
+from seqpipe.local.untraceable import refuse_tracing
 from seqpipe.schedule import AnySchedule
 from seqpipe.skip.layout import inspect_skip_layout
 
@@ -102,7 +106,7 @@ class _Call:
         return input_grad(self.input, j, self.microbatches, self.run.input_grads)
 
 
-class Pipe(nn.Module):
+class Pipe(FixedLayers):
     """Wraps an ``nn.Sequential`` so it runs as a pipeline over one or more devices.
 
     The module is wrapped in place: its layers stay the same objects, registered under
@@ -201,6 +205,7 @@ class Pipe(nn.Module):
         """Run the mini-batch through the pipeline; the output is on the last device (in the
         model's own structure for a model converted by ``seqpipe.to_sequential``)."""
         compiling = _is_compiling()
+        refuse_tracing(compiling)  # torch.jit.trace, torch.export: by name
         if compiling:
             warnings.warn(_COMPILE_WARNING, stacklevel=2)
         # Run it hidden from dynamo where dynamo traces it or has a frame callback set on
@@ -265,6 +270,8 @@ class Pipe(nn.Module):
             step, self._pending = self._pending, None
             return self._run_step(step)
         given = None if isinstance(input, Tensor) and input.dim() else Input.of(input)
+        # (inside a forward-AD dual level only)
+        refuse_dual((input,) if given is None else given.batch.tensors, self)
         direct = self._direct
         if direct is not None:  # one micro-batch: maybe the plain model's graph
             output = direct(self, input, given, self.chunks, self.checkpoint)
@@ -275,6 +282,8 @@ class Pipe(nn.Module):
         batch = given.batch
         pipeline = self._pipeline
         sink = pipeline.open_sink() if torch.is_grad_enabled() else None
+        if sink is not None and len(pipeline.stages) > 1:
+            refuse_outer_checkpoint()  # torch.utils.checkpoint around the call, by name
         grad = sink is not None and (
             bool(sink.params) or any(t.requires_grad for t in batch.tensors))
         call = _Call(self, given, sink, grad)

@@ -36,6 +36,7 @@ from seqpipe.core.draws import NO_DRAWS, draws_nothing
 from seqpipe.core.entry import enter
 from seqpipe.core.in_flight import settle
 from seqpipe.core.microbatch import Batch, Constants
+from seqpipe.core.parametrize_cache import forget_cached
 from seqpipe.core.rng import backward_stream, captures
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.segments import run_segments, segments_of, skips_between
@@ -119,6 +120,7 @@ class Stage:
         before = None if caller is None else versions(tensors)
         value = tensors[0] if atomic else Batch(tensors, atomic, constants).value
         if tracker is None:  # (run_inline's: no tracker asked for, no sink)
+            forget_cached(self.partition)  # as ``_in_task``
             out = self.partition(value)
         else:
             out = self._in_task(tracker, sink, self.partition, value)
@@ -145,6 +147,7 @@ class Stage:
                  layers: nn.Module, value: Any) -> Any:
         """Some of the partition's ``layers`` (all, or a segment) on ``value``, with the
         task's tracker and ``sink``."""
+        forget_cached(layers)  # parametrize.cached(): this task's own (usually nothing)
         previous = swap_skip_tracker(tracker)  # use_skip_tracker, without a generator
         try:
             if sink is None:
