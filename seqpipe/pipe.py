@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from seqpipe.core.arguments import check_checkpoint_every, check_chunks
 from seqpipe.core.batchnorm import convert_deferred_batch_norm
 from seqpipe.core.checkpoint import check_mode, checkpoint_stop
+from seqpipe.core.fixed_layers import FixedLayers
 from seqpipe.core.loss_weights import CountFn
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.partition import (
@@ -32,9 +33,12 @@ from seqpipe.local.direct import (
     runs_direct,
     whole_backward,
 )
+from seqpipe.local.forward_ad import refuse_dual
+from seqpipe.local.outer_checkpoint import refuse_outer_checkpoint
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
 from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
+from seqpipe.local.untraceable import refuse_tracing
 from seqpipe.schedule import AnySchedule
 from seqpipe.skip.layout import inspect_skip_layout
 
@@ -104,7 +108,7 @@ class _Call:
         return input_grad(self.input, j, self.microbatches, self.run.input_grads)
 
 
-class Pipe(nn.Module):
+class Pipe(FixedLayers):
     """Wraps an ``nn.Sequential`` so it runs as a pipeline over one or more devices.
 
     The module is wrapped in place: its layers stay the same objects, registered under
@@ -200,6 +204,7 @@ class Pipe(nn.Module):
         """Run the mini-batch through the pipeline; the output is on the last device (in the
         model's own structure for a model converted by ``seqpipe.to_sequential``)."""
         compiling = torch.compiler.is_compiling()
+        refuse_tracing(compiling)  # torch.jit.trace, torch.export: by name
         if compiling:
             warnings.warn(_COMPILE_WARNING, stacklevel=2)
         if compiling or _dynamo_callback() is not None:  # run it hidden from dynamo
@@ -262,6 +267,7 @@ class Pipe(nn.Module):
             return self._run_step(step)
         given = Input.of(input)
         batch = given.batch
+        refuse_dual(batch.tensors, self)  # (inside a forward-AD dual level only)
         pipeline = self._pipeline
         if len(pipeline.stages) == 1:  # one micro-batch: maybe the plain model's graph
             grad = torch.is_grad_enabled() and (
@@ -271,6 +277,8 @@ class Pipe(nn.Module):
                 shape, outputs = run_direct(pipeline.stages[0], given, grad)
                 return shape.like(outputs).value
         sink = pipeline.open_sink() if torch.is_grad_enabled() else None
+        if sink is not None and len(pipeline.stages) > 1:
+            refuse_outer_checkpoint()  # torch.utils.checkpoint around the call, by name
         grad = sink is not None and (
             bool(sink.params) or any(t.requires_grad for t in batch.tensors))
         call = _Call(self, given, sink, grad)

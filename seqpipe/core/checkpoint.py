@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -121,11 +121,37 @@ def run_task(function: Callable[..., Any], args: Tuple[Any, ...], *, checkpoint:
     if not checkpoint:
         with _rng(seed):
             return function(*args)
-    return checkpointed(function, args, lambda: (_rng(seed), _rng(seed)),
+    return checkpointed(function, args, lambda: (_rng(seed), lambda: _rng(seed)),
                         preserve_rng_state=seed is None)
 
 
-RngContexts = Callable[[], Tuple[ContextManager[Any], ContextManager[Any]]]
+# The random contexts of a checkpoint's forward, and a maker of its recomputation's (a
+# fresh one at each recomputation: see ``checkpointed``).
+RngContexts = Callable[[], Tuple[ContextManager[Any], Callable[[], ContextManager[Any]]]]
+
+
+class _EachTime:
+    """A context manager made anew by ``make`` each time it is entered.
+
+    ``torch.utils.checkpoint`` enters the recomputation context of one checkpoint once per
+    recomputation, and there can be several: a layer that calls ``torch.autograd.grad``
+    inside its forward (a force from an energy, a gradient penalty in the model) makes the
+    forward itself unpack what the checkpoint dropped, and the backward recomputes again.
+    A generator-based context manager can be entered only once ("'_GeneratorContextManager'
+    object has no attribute 'args'"), and a random stream must start from its seed again.
+    """
+
+    def __init__(self, make: Callable[[], ContextManager[Any]]) -> None:
+        self._make = make
+        self._open: List[ContextManager[Any]] = []
+
+    def __enter__(self) -> None:
+        context = self._make()
+        context.__enter__()
+        self._open.append(context)
+
+    def __exit__(self, *exc: Any) -> Optional[bool]:
+        return self._open.pop().__exit__(*exc)
 
 
 def checkpointed(function: Callable[..., Any], args: Tuple[Any, ...], rng: RngContexts, *,
@@ -133,13 +159,14 @@ def checkpointed(function: Callable[..., Any], args: Tuple[Any, ...], rng: RngCo
     """``function(*args)`` under ``torch.utils.checkpoint`` (non-reentrant), its forward
     flagged ``is_checkpointing()`` and its recomputation ``is_recomputing()`` (and traced as
     the forward's recomputation); ``rng()``, called as the checkpoint starts, gives the
-    random contexts of the two passes."""
+    forward's random context and a maker of the recomputation's, called at each one."""
     label = hooks.current_label()
 
     def contexts() -> Tuple[ContextManager[None], ContextManager[None]]:
         forward, recompute = rng()
         return (_entered(flag("checkpointing"), forward),
-                _entered(flag("recomputing"), recompute, _recompute(label)))
+                _EachTime(lambda: _entered(flag("recomputing"), recompute(),
+                                           _recompute(label))))
 
     return torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts,
                             preserve_rng_state=preserve_rng_state)

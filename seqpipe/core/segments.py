@@ -120,9 +120,10 @@ def _checkpointed(segment: nn.Module, call: Call, value: Any,
             filled[i] = tensor.clone()  # a layer may write its input in place
         return call(segment, tree_unflatten(filled, spec))
 
-    def rng() -> Tuple[ContextManager[Any], ContextManager[Any]]:
+    def rng() -> Tuple[ContextManager[Any], Callable[[], ContextManager[Any]]]:
         if streams is None:
-            return nullcontext(), nullcontext()
-        return nullcontext(), streams.replay(streams.mark())  # the forward: live() above
+            return nullcontext(), nullcontext
+        mark = streams.mark()  # where the forward starts (its stream: live() above)
+        return nullcontext(), lambda: streams.replay(mark)
 
     return checkpointed(run, tensors, rng, preserve_rng_state=streams is None)

@@ -38,11 +38,12 @@ flat weights). A parameter of another partition (reached through a plain attribu
 joins the partition's leaves when first used, so its backward reaches that alias too.
 An operation that hands back its argument unchanged (``w.to(w.dtype)``,
 ``w.contiguous()``) hands back the real parameter again. Reading or writing ``.grad``,
-setting ``.data`` or ``requires_grad``, hashing and registering hooks go to the real
-parameter. Where a parameter reaches autograd without passing through a torch function
-under the mode (a custom ``autograd.Function.apply``, which PyTorch does not route through
-``__torch_function__``), autograd records the real parameter: the stage's backward lists
-the real parameters too, so its gradient still lands, in ``.grad``, once per micro-batch.
+setting ``.data`` or ``requires_grad``, hashing, registering hooks and reading the hook
+dictionaries (``_backward_hooks``) go to the real parameter. Where a parameter reaches
+autograd without passing through a torch function under the mode (a custom
+``autograd.Function.apply``, which PyTorch does not route through ``__torch_function__``),
+autograd records the real parameter: the stage's backward lists the real parameters too,
+so its gradient still lands, in ``.grad``, once per micro-batch.
 
 Under ``torch.compile`` the substitution is traced into the compiled graph; there it
 tells parameters apart by type rather than by looking up each tensor's ``id`` (which would
@@ -60,6 +61,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from seqpipe.core.late_hooks import Hidden, hide
 from seqpipe.core.trainable import (
     Trainable,
     ddp_forward_running,
@@ -77,6 +79,8 @@ _KEEP = frozenset({
     Tensor._grad.__get__, Tensor._grad.__set__,
     Tensor.data.__set__, Tensor.requires_grad.__set__, Tensor.requires_grad_,
     Tensor.register_hook, Tensor.register_post_accumulate_grad_hook, Tensor.retain_grad,
+    Tensor._backward_hooks.__get__, Tensor._backward_hooks.__set__,
+    Tensor._post_accumulate_grad_hooks.__get__, Tensor._post_accumulate_grad_hooks.__set__,
     Tensor.__hash__,
 })
 _SEQUENCES = (list, tuple)
@@ -309,6 +313,7 @@ class DirectSink(GradSink):
                              for mine, seen in zip(own, ids)]
         self._before: Optional[List[Tuple[nn.Parameter, Tensor]]] = None  # see ``hold``
         self._in_place = False  # the sums stay in ``.grad`` (``hold``)
+        self._hidden: Optional[Hidden] = None  # hooks registered since the forward
 
     def call(self, stage: int, partition: nn.Module, *args: Any) -> Any:
         """Run ``partition`` on ``args``, as the unpipelined model would."""
@@ -328,7 +333,9 @@ class DirectSink(GradSink):
         call would accumulate into every leaf the stages' graphs reach, and so does their
         backward. If, besides, every ``.grad`` is ``None``, nothing is put aside and the
         sums stay in ``.grad``, where that call would have put them: ``take`` hands nothing
-        over."""
+        over. A hook registered on a parameter since the forward is kept out of the
+        micro-batches' backward and fires once, with the sum (``seqpipe.core.late_hooks``)."""
+        self._hidden = hide(self.params)
         before: List[Tuple[nn.Parameter, Tensor]] = []
         for param in self.params:
             grad = param.grad
@@ -337,13 +344,14 @@ class DirectSink(GradSink):
                 param.grad = None
         self._before = before
         self.plain = whole
-        self._in_place = whole and not before
+        self._in_place = whole and not before and not self._hidden
 
     def take(self) -> List[Tuple[nn.Parameter, Tensor]]:
         """After ``hold``: each parameter with its summed gradient, and ``.grad`` as it was
         before ``hold``. Without it, or with the sums left in ``.grad`` (``hold``): nothing
         (they are in ``.grad`` already)."""
         before, self._before = self._before, None
+        self._restore_hooks()
         if before is None or self._in_place:
             return []
         pairs = []
@@ -361,10 +369,16 @@ class DirectSink(GradSink):
         were left in it)."""
         if self._in_place and self._before is not None:
             self._before = None
+            self._restore_hooks()
             for param in self.params:
                 param.grad = None
             return
         self.take()
+
+    def _restore_hooks(self) -> None:
+        hidden, self._hidden = self._hidden, None
+        if hidden:
+            hidden.restore()
 
 
 def open_sink(partitions: Sequence[nn.Module]) -> GradSink:

@@ -36,6 +36,7 @@ from seqpipe.core.draws import NO_DRAWS, draws_nothing
 from seqpipe.core.entry import Entry, enter
 from seqpipe.core.in_flight import settle
 from seqpipe.core.microbatch import Batch
+from seqpipe.core.parametrize_cache import forget_cached
 from seqpipe.core.rng import backward_stream, captures
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.segments import run_segments, segments_of, skips_between
@@ -179,6 +180,7 @@ class Stage:
                 sink: Optional[GradSink]) -> Callable[[nn.Module, Any], Any]:
         """Runs some of the partition's layers (all, or a segment) with the task's tracker."""
         def call(layers: nn.Module, value: Any) -> Any:
+            forget_cached(layers)  # parametrize.cached(): this task's own (usually nothing)
             previous = swap_skip_tracker(tracker)  # use_skip_tracker, without a generator
             try:
                 if sink is None:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from seqpipe.core.checkpoint import checkpoint_stop
+from seqpipe.core.grad_mode import check_grad_enabled
 from seqpipe.core.loss_weights import CountFn, LossWeights, loss_weights
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.stage import Stage
@@ -222,6 +223,7 @@ class CallLifecycle:
         """One ``DistributedPipe.train_step`` on this rank, ``seed`` its loss scale (or
         ``None``), ``checkpoint`` the mode in force (``"never"`` in eval mode) and
         ``count_fn`` what normalises a summed loss (``seqpipe.core.loss_weights``)."""
+        check_grad_enabled()  # before anything runs: the pipe stays usable
         self.transport.begin()
         reducer = self.reducer
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,

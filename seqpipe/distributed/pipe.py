@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from seqpipe.core.arguments import check_checkpoint_every, check_chunks
 from seqpipe.core.batchnorm import convert_deferred_batch_norm
 from seqpipe.core.checkpoint import check_mode
+from seqpipe.core.fixed_layers import FixedLayers
 from seqpipe.core.loss_weights import CountFn
 from seqpipe.core.microbatch import TensorOrTensors
 from seqpipe.core.partition import check_balance, check_devices, verify_module
@@ -60,7 +61,7 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-class DistributedPipe(nn.Module):
+class DistributedPipe(FixedLayers):
     """This rank's stages of a pipeline that spans processes; every rank builds it the
     same way.
 

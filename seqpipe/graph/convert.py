@@ -10,7 +10,7 @@ build one layer per unit (``unit``). See ``docs/models.md``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -22,7 +22,7 @@ from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
 from seqpipe.graph.errors import ConversionError, UntracedUnit, quiet_kernel_log
 from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS
-from seqpipe.graph.opaque import Opaque, stand_ins
+from seqpipe.graph.opaque import CHOSEN, Opaque, choose_opaque, stand_ins
 from seqpipe.graph.origin import Origin
 from seqpipe.graph.trace import trace
 from seqpipe.graph.unit import build_unit
@@ -55,7 +55,8 @@ class ConvertedSequential(nn.Sequential):
 def to_sequential(model: nn.Module, example_args: Any = (),
                   example_kwargs: Optional[Mapping[str, Any]] = None, *,
                   units: Optional[Sequence[str]] = None,
-                  dynamic_shapes: Optional[Any] = None) -> ConvertedSequential:
+                  dynamic_shapes: Optional[Any] = None,
+                  opaque: Sequence[Union[str, type]] = ()) -> ConvertedSequential:
     """Convert ``model`` into an ``nn.Sequential`` with one layer per unit.
 
     Args:
@@ -72,6 +73,8 @@ def to_sequential(model: nn.Module, example_args: Any = (),
             ``Sequential`` / ``ModuleDict`` trunks (see ``seqpipe.graph.units``).
         dynamic_shapes: ``torch.export``'s argument for dimensions besides the batch
             (e.g. a sequence length); default: dim 0 of every tensor input is dynamic.
+        opaque: units to run opaque without trying to trace them (a unit whose trace is
+            slow or wrong): unit names, and ``nn.Module`` classes (every unit that is one).
 
     Returns:
         A ``ConvertedSequential``. Feed a pipeline ``seq.origin.pipeline_input(*args,
@@ -79,9 +82,10 @@ def to_sequential(model: nn.Module, example_args: Any = (),
         ``DistributedPipe.forward`` already return the model's structure).
 
     A unit whose code the trace cannot enter (an op without a fake kernel for the dtype,
-    a branch on tensor values) is made opaque, with the units of its class: traced as one
-    call of the user's module, its output sizes learned by running it on zeros
-    (``seqpipe.graph.opaque``); its layer's ``opaque`` is True.
+    a branch on tensor values) is made opaque, with the units of its class, and so is each
+    unit ``opaque`` names: traced as one call of the user's module, its outputs learned by
+    running it on zeros (``seqpipe.graph.opaque``) and checked at every call; its layer's
+    ``opaque`` is True.
 
     Raises:
         ConversionError: a part of the model cannot be traced or cut; the message names
@@ -103,27 +107,31 @@ def to_sequential(model: nn.Module, example_args: Any = (),
                                             (args, kwargs))
         _warn_unloadable(model)
     found = check_units(model, units)
-    opaque = Opaque()
+    dark = Opaque()
+    chosen = choose_opaque(found, opaque)
+    for name in chosen:
+        dark.add(name, found[name], CHOSEN)
     while True:  # a unit the trace cannot enter becomes opaque, and the trace starts again
         try:
-            with stand_ins(found, opaque), quiet_kernel_log():
+            with stand_ins(found, dark), quiet_kernel_log():
                 order = call_order(model, found, args, kwargs, explicit=units is not None)
+                _check_chosen(chosen, order)
                 traced = trace(model, args, kwargs, found, order, dynamic_shapes,
-                               opaque.reasons)
+                               dark.reasons)
             break
         except UntracedUnit as exc:
-            if exc.unit in opaque:
+            if exc.unit in dark:
                 raise
             kind = type(found[exc.unit])  # its siblings run the same code: opaque at once
             for name, module in found.items():
-                if type(module) is kind and name not in opaque:
-                    opaque.add(name, module, exc.reason)
+                if type(module) is kind and name not in dark:
+                    dark.add(name, module, exc.reason)
     _check_glue(traced.graph_module, model, set(order))
     plan = plan_layers(traced.graph_module.graph, traced.units)
     ns = Namespace()
     persistent = set(model.state_dict().keys())
     layers = [build_unit(i, layer, traced.graph_module, plan.free, traced.device, ns,
-                         persistent, layer.unit in opaque) for i, layer in enumerate(plan.layers)]
+                         persistent, layer.unit in dark) for i, layer in enumerate(plan.layers)]
     _own_tables(layers, model, persistent)
     seq = ConvertedSequential(*layers)
     flat = pytree.tree_leaves((args, kwargs))
@@ -131,6 +139,18 @@ def to_sequential(model: nn.Module, example_args: Any = (),
                         {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)},
                         canonical_names(model))
     return seq
+
+
+def _check_chosen(chosen: Sequence[str], order: Sequence[str]) -> None:
+    """Refuse an ``opaque=`` unit that is no layer: a default unit without state that the
+    forward calls several times is traced as glue, which an opaque call cannot be."""
+    glue = [name for name in chosen if name not in order]
+    if glue:
+        raise ConversionError(
+            f"opaque= names {glue}, which the forward on the example does not call exactly "
+            f"once: such a unit is traced as glue (called several times, it has no state) or "
+            f"not at all, and an opaque unit must be a layer of its own; leave it out of "
+            f"opaque=, or make the module that calls it the unit (units=[...])")
 
 
 def _own_tables(layers: Sequence[nn.Module], model: nn.Module, persistent: Set[str]) -> None:

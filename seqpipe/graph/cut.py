@@ -27,11 +27,11 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 
 from seqpipe.graph.errors import ConversionError
-from seqpipe.graph.opaque import check_sizes
+from seqpipe.graph.opaque_check import check_outputs
 
 __all__ = ["Layer", "Plan", "plan_layers"]
 
-_FLAT = (fx_pytree.tree_flatten_spec, check_sizes)  # a unit's flat outputs
+_FLAT = (fx_pytree.tree_flatten_spec, check_outputs)  # a unit's flat outputs
 
 
 @dataclass

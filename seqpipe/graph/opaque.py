@@ -22,13 +22,14 @@ their inputs' sizes), a module that fails on zeros, one built on ``meta`` (it ca
 An output size that depends on the inputs' values (rows a boolean mask picks) is refused
 when a second run at the example's sizes, on seeded random values, gives other sizes.
 
-Values that pick the same sizes in both runs slip through the conversion, so the converted
-model checks at run time (``check_sizes``, put after each opaque call by ``trace``): each
-tensor output must have the sizes inferred, evaluated on the call's actual input
-sizes; else a ``ValueError`` names the unit, the output, both sizes and the mend, instead
-of glue that computes with the inferred sizes (a mean divided by the batch, not by the
-rows the unit kept) silently wrong, or fails somewhere after with no name. It reads a few
-sizes: about a microsecond per call (``docs/models.md``).
+What the probes show is what the glue after the unit is traced with, so the converted
+model checks every opaque call at run time (``seqpipe.graph.opaque_check``, put after
+each call by ``trace``): each tensor output's sizes, dtype and device, each non-tensor
+output's value (an ``int`` the unit returns is a constant of the traced glue).
+
+A unit is opaque because the trace failed inside it, or because the user named it (or
+its class) in ``to_sequential(..., opaque=[...])``: a unit whose trace is slow, or wrong
+(``choose_opaque``).
 """
 from __future__ import annotations
 
@@ -45,13 +46,17 @@ from torch.overrides import _len_torch_function_stack, _pop_mode, _push_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from seqpipe.graph.errors import ConversionError
+from seqpipe.graph.opaque_check import PLAIN
 
-__all__ = ["Opaque", "check_sizes", "size_plan", "stand_ins"]
+__all__ = ["CHOSEN", "Opaque", "choose_opaque", "stand_ins"]
+
+
+CHOSEN = "named in opaque="  # the reason of a unit the user made opaque
 
 
 class Opaque:
     """The opaque units of one conversion, with the real tensors they run on and why each
-    could not be traced (captured before tracing swaps fake tensors into the model)."""
+    is opaque (captured before tracing swaps fake tensors into the model)."""
 
     def __init__(self) -> None:
         self.reasons: Dict[str, str] = {}
@@ -62,8 +67,50 @@ class Opaque:
         self.state[name] = dict((*module.named_parameters(remove_duplicate=False),
                                  *module.named_buffers(remove_duplicate=False)))
 
+    def why(self, name: str) -> str:
+        """Why unit ``name`` is opaque, as the refusals say it (with the extra mend of a
+        unit the user chose)."""
+        if self.reasons[name] == CHOSEN:
+            return "is opaque (opaque= names it; leave it out to trace it)"
+        return f"cannot be traced ({self.reasons[name]})"
+
     def __contains__(self, name: object) -> bool:
         return name in self.reasons
+
+
+def choose_opaque(units: Dict[str, nn.Module], chosen: Sequence[Union[str, type]]) -> List[str]:
+    """The units ``to_sequential(..., opaque=chosen)`` names: a unit's name, or a module
+    class (every unit that is an instance of it). A name that is no unit, a class no unit
+    is, or anything else is a ``ConversionError`` saying what the units are."""
+    if isinstance(chosen, (str, type)):
+        raise TypeError(f"opaque= takes a list of unit names and module classes, e.g. "
+                        f"opaque=[{chosen!r}], not a single one")
+    names: List[str] = []
+    for entry in chosen:
+        if isinstance(entry, str):
+            if entry not in units:
+                inside = [u for u in units if entry.startswith(u + ".")]
+                where = (f"it is inside unit {inside[0]!r}; name that unit" if inside else
+                         f"the units are {_listed(units)}; opaque= names units (choose "
+                         f"them with units=[...])")
+                raise ConversionError(f"opaque= names {entry!r}, which is not a unit: {where}")
+            found = [entry]
+        elif isinstance(entry, type) and issubclass(entry, nn.Module):
+            found = [n for n, m in units.items() if isinstance(m, entry)]
+            if not found:
+                raise ConversionError(
+                    f"opaque= names class {entry.__name__}, but no unit is one: the units are "
+                    f"{_listed(units)}; name a unit's class, or choose units with units=[...]")
+        else:
+            raise ConversionError(f"opaque= entries are unit names (like 'encoder.layers.0') "
+                                  f"or nn.Module classes, got {entry!r}")
+        names += [n for n in found if n not in names]
+    return names
+
+
+def _listed(units: Dict[str, nn.Module]) -> str:
+    shown = [f"{n!r} ({type(m).__name__})" for n, m in list(units.items())[:6]]
+    return ", ".join(shown) + (f" and {len(units) - 6} more" if len(units) > 6 else "")
 
 
 @contextlib.contextmanager
@@ -91,8 +138,8 @@ def _stand_in(name: str, module: nn.Module, forward: Callable[..., Any],
         base = {s: hint for x in flat for s, hint in _symbols(x).items()}
         if None in base.values():
             raise ConversionError(
-                f"unit {name!r} cannot be traced ({opaque.reasons[name]}), and an input size "
-                f"of it depends on tensor values, so its output sizes cannot be learned; "
+                f"unit {name!r} {opaque.why(name)}, and an input size of it depends on "
+                f"tensor values, so its output sizes cannot be learned; "
                 f"choose other units (units=[...]) or write the nn.Sequential by hand")
 
         def run(at: Dict[Any, int], noise: bool = False) -> List[Any]:
@@ -103,7 +150,7 @@ def _stand_in(name: str, module: nn.Module, forward: Callable[..., Any],
             noisy = run(base, noise=True)
         except ConversionError:  # fails on other values: this run cannot tell
             noisy = runs[0]
-        _same_sizes(name, runs[0], noisy)
+        _same_outputs(name, runs[0], noisy)
         pending = list(base)
         while pending:  # each symbolic size doubled, alone if the unit allows
             group = [pending.pop(0)]
@@ -185,8 +232,8 @@ def _probe(name: str, module: nn.Module, forward: Callable[..., Any], opaque: Op
     state = opaque.state[name]
     if any(t.is_meta for t in state.values()):
         raise ConversionError(
-            f"unit {name!r} cannot be traced ({opaque.reasons[name]}), so it runs as an opaque "
-            f"call whose output sizes are learned by running it on zeros; built on meta it "
+            f"unit {name!r} {opaque.why(name)}: it runs as an opaque call whose output "
+            f"sizes are learned by running it on zeros; built on meta it "
             f"cannot run. Build {name!r} on a real device before converting (a layer whose "
             f"tensors are real is moved, never re-initialised), or write the nn.Sequential "
             f"by hand")
@@ -209,8 +256,8 @@ def _probe(name: str, module: nn.Module, forward: Callable[..., Any], opaque: Op
                 out = forward(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised naming the unit and both causes
             raise ConversionError(
-                f"unit {name!r} cannot be traced ({opaque.reasons[name]}), and running it "
-                f"on zeros to learn its output sizes failed too ({type(exc).__name__}: "
+                f"unit {name!r} {opaque.why(name)}, and running it on zeros to learn its "
+                f"output sizes failed too ({type(exc).__name__}: "
                 f"{exc}); choose other units (units=[...]) or write the nn.Sequential by "
                 f"hand") from exc
         finally:
@@ -220,16 +267,30 @@ def _probe(name: str, module: nn.Module, forward: Callable[..., Any], opaque: Op
     return [out_spec, *leaves]
 
 
-def _same_sizes(name: str, zeros: List[Any], noise: List[Any]) -> None:
-    """Refuse a unit whose output sizes changed when only its input values did."""
+def _same_outputs(name: str, zeros: List[Any], noise: List[Any]) -> None:
+    """Refuse a unit whose output sizes, dtypes or non-tensor values changed when only its
+    input values did (the glue after it would be traced with those of the zeros)."""
     for index, (a, b) in enumerate(zip(zeros[1:], noise[1:])):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
-            raise ConversionError(
-                f"output {index} of unit {name!r} (which cannot be traced: it runs as an "
-                f"opaque call) has sizes that depend on its input values ({tuple(a.shape)} on "
-                f"zeros, {tuple(b.shape)} on other values); an opaque unit's output sizes "
-                f"must follow its input sizes. Make the code that reads that output part of "
-                f"the unit (units=[...] naming a parent), or write the nn.Sequential by hand")
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            if a is b or (type(a) is type(b) and (a == b or not isinstance(a, PLAIN))):
+                continue
+            what, seen = "a value that depends", f"{a!r} on zeros, {b!r} on other values"
+            mend = ("return it as a tensor (torch.tensor(n), or the 0-dim tensor itself "
+                    "instead of .item() or int()), or make the code that reads it part of "
+                    "the unit (units=[...] naming a parent), or write the nn.Sequential by "
+                    "hand")
+        elif a.shape != b.shape or a.dtype != b.dtype:
+            what = "sizes that depend" if a.shape != b.shape else "a dtype that depends"
+            seen = (f"{tuple(a.shape)} on zeros, {tuple(b.shape)} on other values"
+                    if a.shape != b.shape else f"{a.dtype} on zeros, {b.dtype} on other values")
+            mend = ("an opaque unit's output sizes and dtypes must follow its inputs' sizes "
+                    "and dtypes. Make the code that reads that output part of the unit "
+                    "(units=[...] naming a parent), or write the nn.Sequential by hand")
+        else:
+            continue
+        raise ConversionError(
+            f"output {index} of unit {name!r} (an opaque call: its outputs are learned by "
+            f"running it) has {what} on its input values ({seen}); {mend}")
 
 
 def _fake_outputs(name: str, flat: List[Any], probes: List[Dict[Any, int]],
@@ -248,8 +309,13 @@ def _fake_outputs(name: str, flat: List[Any], probes: List[Dict[Any, int]],
     for index, first in enumerate(runs[0][1:], start=1):
         if not isinstance(first, torch.Tensor):
             if any(run[index] != first for run in runs):
-                raise ConversionError(f"unit {name!r} returns a value ({first!r}) that "
-                                      f"changes with its input sizes")
+                seen = ", ".join(repr(run[index]) for run in runs)
+                raise ConversionError(
+                    f"output {index - 1} of unit {name!r} (an opaque call: its outputs are "
+                    f"learned by running it) is a value that follows its input sizes ({seen} "
+                    f"at the sizes tried), which the glue after it would hold as a constant; "
+                    f"return it as a tensor, or read the size in the code that uses it "
+                    f"(h.shape[0]), or write the nn.Sequential by hand")
             leaves.append(first)
             continue
         shape: List[Any] = []
@@ -261,68 +327,11 @@ def _fake_outputs(name: str, flat: List[Any], probes: List[Dict[Any, int]],
             match = next((size for size, values in known if values == seen), None)
             if match is None:
                 raise ConversionError(
-                    f"output {index - 1} of unit {name!r} (which cannot be traced: it runs "
-                    f"as an opaque call) has a size in dim {dim} ({seen[0]}) that is no size "
+                    f"output {index - 1} of unit {name!r} (an opaque call: its outputs are "
+                    f"learned by running it) has a size in dim {dim} ({seen[0]}) that is no size "
                     f"of its inputs; an opaque unit's output sizes must be constants or "
                     f"sizes of its inputs. Choose units whose outputs keep their inputs' "
                     f"sizes (units=[...]), or write the nn.Sequential by hand")
             shape.append(match)  # the first input size that agrees at every probe
         leaves.append(torch.empty(shape, dtype=first.dtype, device=device or first.device))
     return pytree.tree_unflatten(leaves, out_spec)
-
-
-Size = Union[int, Tuple[int, int], None]  # a constant; (input, dim), dim -1: the input itself
-SizePlan = Tuple[Tuple[int, Tuple[Size, ...]], ...]  # (output, its sizes) per tensor output
-
-
-def size_plan(inputs: Sequence[Any], outputs: Dict[int, Any]) -> SizePlan:
-    """Where each size of an opaque call's tensor outputs comes from, as ``check_sizes``
-    reads it: ``inputs`` are the call's flat inputs and ``outputs`` its flat outputs by
-    index, as traced (fake tensors, symbolic sizes). An output size is a constant or the
-    first input size with the same expression (``_fake_outputs`` wrote it so); one that
-    is neither (None) is left unchecked."""
-    found: Dict[Any, Tuple[int, int]] = {}
-    for j, value in enumerate(inputs):
-        sizes = enumerate(value.shape) if isinstance(value, torch.Tensor) else [(-1, value)]
-        for dim, size in sizes:
-            if isinstance(size, torch.SymInt):
-                found.setdefault(size.node.expr, (j, dim))
-    plan = []
-    for index, value in sorted(outputs.items()):
-        if isinstance(value, torch.Tensor):
-            plan.append((index, tuple(found.get(s.node.expr) if isinstance(s, torch.SymInt)
-                                      else int(s) for s in value.shape)))
-    return tuple(plan)
-
-
-def check_sizes(flat: List[Any], inputs: List[Any], plan: SizePlan, unit: str) -> List[Any]:
-    """``flat`` (the opaque call's flat outputs), once every output in ``plan`` has the
-    sizes inferred when converting, evaluated on ``inputs`` (the call's flat inputs)."""
-    for index, sizes in plan:
-        actual = flat[index].shape
-        if len(actual) != len(sizes):
-            _mismatch(unit, index, tuple(actual), inputs, sizes)
-        for dim, size in enumerate(sizes):  # a plain loop: this runs at every call
-            if size is not None and actual[dim] != (
-                    size if type(size) is int else _size(inputs, size)):
-                _mismatch(unit, index, tuple(actual), inputs, sizes)
-    return flat
-
-
-def _size(inputs: List[Any], at: Tuple[int, int]) -> int:
-    value = inputs[at[0]]
-    return value if at[1] < 0 else value.shape[at[1]]
-
-
-def _mismatch(unit: str, index: int, actual: Tuple[int, ...], inputs: List[Any],
-              sizes: Tuple[Size, ...]) -> None:
-    inferred = tuple("?" if s is None else s if type(s) is int else _size(inputs, s)
-                     for s in sizes)
-    raise ValueError(
-        f"output {index} of unit {unit!r} (which cannot be traced: it runs as an opaque "
-        f"call) has sizes {actual}, but to_sequential inferred {inferred} for these input "
-        f"sizes (by running it on zeros and on seeded random values when converting): its "
-        f"output sizes depend on its input values, and the glue after it was traced with "
-        f"the inferred ones. Choose units whose outputs keep their inputs' sizes, or make "
-        f"the code that reads that output part of the unit (units=[...] naming a parent), "
-        f"or write the nn.Sequential by hand")

@@ -33,7 +33,7 @@ from torch.fx.passes.tools_common import legalize_graph
 
 from seqpipe.graph.calls import module_stack
 from seqpipe.graph.errors import MEND, ConversionError, explain
-from seqpipe.graph.opaque import check_sizes, size_plan
+from seqpipe.graph.opaque_check import check_outputs, output_plan
 
 __all__ = ["Traced", "trace"]
 
@@ -64,7 +64,7 @@ def trace(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
           units: Dict[str, nn.Module], order: Sequence[str],
           dynamic_shapes: Optional[Any], opaque: Collection[str] = ()) -> Traced:
     """Export ``model`` on the example and swap its units back in (see the module doc);
-    the output sizes of each unit in ``opaque`` are checked when it runs."""
+    the outputs of each unit in ``opaque`` are checked when it runs."""
     if dynamic_shapes is None:
         dynamic_shapes = default_dynamic_shapes(model, args, kwargs)
     with module_stack(model) as stack, _texts_as_constants([units[n] for n in order]):
@@ -129,7 +129,7 @@ def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
           signature: ModuleCallSignature, renamed: Dict[str, fx.Node], opaque: bool) -> None:
     """Replace unit ``name``'s traced region of ``gm`` by a call of ``module`` itself;
     ``renamed`` maps the names of earlier units' replaced outputs to what replaced them;
-    an ``opaque`` unit's call is followed by the check of its output sizes."""
+    an ``opaque`` unit's call is followed by the check of its outputs."""
     graph = gm.graph
     nodes = [n for n in graph.nodes if _innermost_unit(n, name)]
     by_name = {n.name: n for n in graph.nodes}
@@ -158,11 +158,13 @@ def _swap(gm: fx.GraphModule, name: str, module: nn.Module,
     flat = graph.call_function(fx_pytree.tree_flatten_spec, (call, graph.get_attr(out_name)))
     outputs = {arg.name: i for i, arg in enumerate(signature.outputs)
                if not isinstance(arg, ConstantArgument)}
-    if opaque:  # its output sizes were inferred: checked at run time (``opaque``)
+    if opaque:  # its outputs were learned by running it: checked at run time
         traced = {outputs[n.name]: n.meta.get("val") for n in nodes if n.name in outputs}
-        plan = size_plan([v.meta.get("val") if isinstance(v, fx.Node) else v for v in leaves],
-                         traced)
-        flat = graph.call_function(check_sizes, (flat, list(leaves), plan, name))
+        constants = {i: arg.value for i, arg in enumerate(signature.outputs)
+                     if isinstance(arg, ConstantArgument)}
+        plan = output_plan([v.meta.get("val") if isinstance(v, fx.Node) else v
+                            for v in leaves], traced, constants)
+        flat = graph.call_function(check_outputs, (flat, list(leaves), plan, name))
     inside = set(nodes)
     for node in nodes:
         if node.name in outputs:

@@ -9,7 +9,9 @@ them into its own threads (a C++ ``ThreadLocalStateGuard``), but that mechanism 
 Python binding (PyTorch 2.13). So a ``ThreadState`` captures each Python-visible piece
 on the caller's thread when a call starts (forward or backward) and re-enters it,
 through PyTorch's own stack APIs, on every worker thread before the stage runs: the
-mode objects are the caller's own, not copies.
+mode objects are the caller's own, not copies. Python's ``contextvars`` are per thread
+too (a library's setting held in a ``ContextVar``): each worker runs in a copy of the
+caller's context.
 
 seqpipe's own modes (private RNG, parameter aliases) are entered later, inside each stage
 call, so they sit above the caller's, as they do on the caller's thread.
@@ -29,9 +31,10 @@ action during which no other stage can compute (the pipeline's fill and drain) t
 """
 from __future__ import annotations
 
+import contextvars
 import os
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
@@ -159,6 +162,7 @@ class ThreadState:
             torch._C._autograd._top_saved_tensors_default_hooks(False))
         self.hooks_disabled: Optional[str] = (
             torch._C._autograd._saved_tensors_hooks_get_disabled_error_message())
+        self.context = contextvars.copy_context()  # the caller's ContextVar values
 
     def intra_op(self, all_cpu: bool) -> Optional["IntraOp"]:
         """How the stage threads of one call (``all_cpu``: every one a ``cpu`` stage) set
@@ -167,6 +171,13 @@ class ThreadState:
         if not all_cpu or self.threads >= self.caller or not machine_has_room(self.caller):
             return None
         return IntraOp(self.threads, self.caller)
+
+    def in_context(self, function: Callable[[], None]) -> Callable[[], None]:
+        """``function`` to run on a worker thread in a copy of the caller's
+        ``contextvars`` context (a library's setting held in a ``ContextVar``); a layer's own
+        ``ContextVar.set`` stays on its thread, as in an ``asyncio`` task."""
+        context = self.context.copy()  # one per thread: a context runs on one at a time
+        return lambda: context.run(function)
 
     def share_threads(self, stack: ExitStack) -> None:
         """On the caller's own thread: only its share of the intra-op threads."""

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from seqpipe.core.checkpoint import checkpoint_stop
+from seqpipe.core.grad_mode import check_grad_enabled
 from seqpipe.core.loss_weights import CountFn, Replicas, loss_weights
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather_grad
 from seqpipe.core.tasks import LossFn
@@ -180,10 +181,7 @@ class TrainStep:
                  schedule: Union[str, AnySchedule], count_fn: Optional[CountFn] = None,
                  replicas: Optional[Replicas] = None, *, chunks: int,
                  num_partitions: int) -> None:
-        if not torch.is_grad_enabled():
-            raise RuntimeError("train_step computes gradients, but gradients are disabled "
-                               "here (torch.no_grad() or inference_mode); for inference call "
-                               "the pipe itself")
+        check_grad_enabled()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got "
                             f"{type(loss_fn).__name__}")

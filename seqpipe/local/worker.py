@@ -207,7 +207,8 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
         if state is not None:
             state.share_threads(caller)
         for g, (name, done) in zip(others, workers):  # ``work`` keeps what it raises
-            pool.start(name, functools.partial(work, g, True), done)
+            job = functools.partial(work, g, True)
+            pool.start(name, job if state is None else state.in_context(job), done)
         if groups and groups[0]:
             work(0, False)
         _join(workers, mailbox)

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from types import MappingProxyType
+from typing import Any
 
 from torch import nn
 
@@ -91,6 +92,11 @@ class SkipLayout:
             tuple(s for s in crossing if s.stash_partition == p) for p in parts))
         object.__setattr__(self, "_arriving", tuple(
             tuple(s for s in crossing if s.pop_partition == p) for p in parts))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copied and pickled as its two fields (``copy.deepcopy(pipe)``, ``torch.save``): the
+        derived indexes (a read-only mapping proxy, which cannot be pickled) are made anew."""
+        return (SkipLayout, (self.balance, self.skips))
 
     @property
     def num_partitions(self) -> int:
