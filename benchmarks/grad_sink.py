@@ -54,7 +54,6 @@ import torch
 from _common import clone, interleave, make_model, paired_ratio, pin_malloc
 from torch import Tensor, nn
 
-import seqpipe.pipe
 from seqpipe import Pipe
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import AliasSink, GradSink, open_sink
@@ -148,17 +147,11 @@ def aliased(pipe: Pipe) -> Pipe:
     return pipe
 
 
-def engine(step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with the one-micro-batch direct call off: every call through the engine
+def engine(pipe: Pipe) -> Pipe:
+    """``pipe`` with the one-micro-batch direct call off: every call through the engine
     (``seqpipe.local.direct``; what every one-partition call did before)."""
-    def run() -> None:
-        direct = seqpipe.pipe.runs_direct
-        seqpipe.pipe.runs_direct = lambda *args: False  # type: ignore[assignment]
-        try:
-            step()
-        finally:
-            seqpipe.pipe.runs_direct = direct
-    return run
+    pipe._direct = None
+    return pipe
 
 
 def hooked(model: nn.Module) -> nn.Module:
@@ -189,8 +182,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "sink+hook": sink_step(hooked(clone(model)), x, open_sink),
         "pipe": plain_step(piped(clone(model)), x),
         "pipe+hook": plain_step(hooked(piped(clone(model))), x),
-        "pipe/aliases": engine(plain_step(aliased(piped(clone(model))), x)),
-        "pipe/engine": engine(plain_step(piped(clone(model)), x)),
+        "pipe/aliases": plain_step(aliased(engine(piped(clone(model)))), x),
+        "pipe/engine": plain_step(engine(piped(clone(model))), x),
     }
     pairs = [("direct", "plain"), ("direct/inputs", "plain"), ("aliases", "plain"),
              ("sink+hook", "plain+hook"), ("pipe", "plain"), ("pipe+hook", "plain+hook"),

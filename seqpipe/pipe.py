@@ -26,11 +26,9 @@ from seqpipe.core.tasks import LossFn
 from seqpipe.graph.origin import Origin, model_output
 from seqpipe.local.direct import (
     PHONY,
-    any_trainable,
+    DirectCall,
     pipeline_outputs,
     refuse_create_graph,
-    run_direct,
-    runs_direct,
     whole_backward,
 )
 from seqpipe.local.forward_ad import refuse_dual
@@ -163,6 +161,9 @@ class Pipe(FixedLayers):
         stages = [Stage(i, part, dev, layout, checkpoint_every=self.checkpoint_every)
                   for i, (part, dev) in enumerate(zip(partitions, placed))]
         self._pipeline = LocalPipeline(stages, layout)
+        # One micro-batch of one cpu partition runs as the plain model (seqpipe.local.direct).
+        self._direct = DirectCall(stages[0]) if len(stages) == 1 and \
+            stages[0].device.type == "cpu" and not self._pipeline.isolate_rng else None
         self._pending: Optional[TrainStep] = None  # a train_step run by DDP's forward
         self.origin: Optional[Origin] = getattr(module, "origin", None)  # see seqpipe.graph
 
@@ -203,13 +204,16 @@ class Pipe(FixedLayers):
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Run the mini-batch through the pipeline; the output is on the last device (in the
         model's own structure for a model converted by ``seqpipe.to_sequential``)."""
-        compiling = torch.compiler.is_compiling()
+        compiling = _is_compiling()
         refuse_tracing(compiling)  # torch.jit.trace, torch.export: by name
         if compiling:
             warnings.warn(_COMPILE_WARNING, stacklevel=2)
-        if compiling or _dynamo_callback() is not None:  # run it hidden from dynamo
+        # Run it hidden from dynamo where dynamo traces it or has a frame callback set on
+        # this thread (read without importing torch._dynamo; assumed set where it cannot be).
+        if compiling or _get_callback is None or _get_callback() is not None:
             return model_output(self.origin, self._run_uncompiled(input))
-        return model_output(self.origin, self._run(input))
+        output = self._run(input)
+        return output if self.origin is None else model_output(self.origin, output)
 
     def train_step(self, input: TensorOrTensors, target: Any, loss_fn: LossFn, *,
                    count_fn: Optional[CountFn] = None,
@@ -265,17 +269,18 @@ class Pipe(FixedLayers):
         if self._pending is not None:  # train_step(..., ddp=...): DDP's forward runs it
             step, self._pending = self._pending, None
             return self._run_step(step)
-        given = Input.of(input)
+        given = None if isinstance(input, Tensor) and input.dim() else Input.of(input)
+        # (inside a forward-AD dual level only)
+        refuse_dual((input,) if given is None else given.batch.tensors, self)
+        direct = self._direct
+        if direct is not None:  # one micro-batch: maybe the plain model's graph
+            output = direct(self, input, given, self.chunks, self.checkpoint)
+            if output is not None:
+                return output
+        if given is None:
+            given = Input.of(input)
         batch = given.batch
-        refuse_dual(batch.tensors, self)  # (inside a forward-AD dual level only)
         pipeline = self._pipeline
-        if len(pipeline.stages) == 1:  # one micro-batch: maybe the plain model's graph
-            grad = torch.is_grad_enabled() and (
-                any([t.requires_grad for t in batch.tensors]) or any_trainable(self))
-            stop = checkpoint_stop(self.checkpoint if self.training and grad else "never", 1)
-            if runs_direct(pipeline.stages, given, self.chunks, stop, pipeline.isolate_rng):
-                shape, outputs = run_direct(pipeline.stages[0], given, grad)
-                return shape.like(outputs).value
         sink = pipeline.open_sink() if torch.is_grad_enabled() else None
         if sink is not None and len(pipeline.stages) > 1:
             refuse_outer_checkpoint()  # torch.utils.checkpoint around the call, by name
@@ -297,14 +302,10 @@ class Pipe(FixedLayers):
         return f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
 
 
+_is_compiling = torch.compiler.is_compiling
+# Dynamo's frame callback on this thread (None unless a compiled region is running).
 _get_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
                         "get_eval_frame_callback", None)
-
-
-def _dynamo_callback() -> Any:
-    """Dynamo's frame callback on this thread (``None`` unless a compiled region is running),
-    read without importing ``torch._dynamo``; assumed set where it cannot be read."""
-    return True if _get_callback is None else _get_callback()
 
 
 _COMPILE_WARNING = (

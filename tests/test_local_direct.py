@@ -10,14 +10,19 @@ runs (two micro-batches of one partition), on the engine too.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from typing import Any, List, Tuple
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+import seqpipe
 from seqpipe import Pipe, is_checkpointing
 from seqpipe.local.pipeline import LocalPipeline
+from seqpipe.skip import pop, skippable, stash
+from seqpipe.skip.tracker import current_skip_tracker
 from seqpipe.trace import record
 
 PATHS = ("direct", "engine")
@@ -167,3 +172,93 @@ def test_a_checkpointed_or_traced_call_still_runs_the_engine() -> None:
     with record() as rec:
         pipe(torch.randn(4, 6)).sum().backward()
     assert rec.recording.events, "a recorded call is traced, through the engine"
+
+
+def test_a_direct_call_makes_few_python_calls() -> None:
+    """The call's fixed cost is mostly Python calls, each several µs when it follows a
+    backward (docs/benchmarks.md, "Session 11: fwd"): the direct call is made of at most
+    ``BUDGET`` calls of seqpipe's own functions (44 before session 11: a ``Batch`` or
+    ``Input`` object made six times, nested closures around the partition, a skip tracker
+    for a model without skips; 17 after, and 20 with session 11's three refusals' checks:
+    tracing, forward AD, the parametrize cache)."""
+    budget = 21
+    root = os.path.dirname(seqpipe.__file__)
+    pipe = _pipe(_model())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    for _ in range(2):  # the first call of a training mode copies the input (caller_input)
+        pipe(x).sum().backward()
+    calls: List[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            calls.append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        out = pipe(x)
+    finally:
+        sys.setprofile(None)
+    assert len(calls) <= budget, calls
+    assert type(out.grad_fn).__name__ == "_ExitOneBackward"  # the direct call ran
+
+
+@skippable(stash=["h"])
+class _Stash(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("h", x)
+        return torch.tanh(x)
+
+
+@skippable(pop=["h"])
+class _Pop(nn.Module):
+    trackers: List[Any] = []  # the tracker each pop found
+
+    def forward(self, x: Tensor) -> Any:
+        self.trackers.append(current_skip_tracker())
+        h = yield pop("h")
+        return x * h
+
+
+@pytest.mark.parametrize("depth", ["top", "nested"])
+def test_a_model_with_skips_runs_direct_with_a_tracker_of_its_own(
+        depth: str, no_engine: None) -> None:
+    """A partition with skippable layers (at its top level, or nested in a layer) gets a
+    tracker per call (one without gets none, as no layer asks): the plain model's outputs
+    and gradients, the thread's tracker untouched."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 6), _Stash(), nn.Linear(6, 6), _Pop()]
+    plain = (nn.Sequential(*layers) if depth == "top" else
+             nn.Sequential(layers[0], nn.Sequential(*layers[1:]))).double()
+    pipe = _pipe(copy.deepcopy(plain))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    outside = current_skip_tracker()
+    _Pop.trackers.clear()
+    pipe(x).pow(2).sum().backward()
+    assert _Pop.trackers[-1] is not outside
+    plain(x).pow(2).sum().backward()
+    for (name, a), b in zip(pipe.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    assert not outside.tensors and current_skip_tracker() is outside
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_module("absent", None)
+        self.inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("trainable", ["none", "nested", "input"])
+def test_the_output_requires_grad_as_the_engines(trainable: str) -> None:
+    """Whether a call builds a graph: some parameter (at any depth, found past a module
+    registered as ``None``) or input requires grad, as ``parameters()`` would say."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), _Block()).double()
+    for p in model.parameters():
+        p.requires_grad_(trainable == "nested" and p is model[1].inner[0].bias)
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=trainable == "input")
+    for path in PATHS:
+        out = _pipe(copy.deepcopy(model), path)(x)
+        assert out.requires_grad == (trainable != "none"), path

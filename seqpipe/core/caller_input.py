@@ -22,25 +22,29 @@ compute a wrong gradient; later calls copy.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
+from typing import Dict, Hashable, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-__all__ = ["CallerInput"]
+__all__ = ["CallerInput", "versions"]
 
 
-def _versions(tensors: Sequence[Tensor]) -> Optional[Tuple[int, ...]]:
+def versions(tensors: Sequence[Tensor]) -> Optional[Tuple[int, ...]]:
     """The tensors' version counters (``None`` for inference tensors, which have none)."""
-    versions = []
+    found = []
     for tensor in tensors:  # a loop, not generators: a call's fixed cost
         if tensor.is_inference():
             return None
-        versions.append(tensor._version)
-    return tuple(versions)
+        found.append(tensor._version)
+    return tuple(found)
 
 
 class CallerInput:
-    """Runs the first stage's layers so that they never write the caller's input."""
+    """What the first stage has learned of its layers: whether they write their input.
+
+    The stage (``Stage._run``) asks ``copies`` before a micro-batch, runs its layers on
+    copies if so (or if it copies anyway), and reports the input's version counters from
+    before and after the layers to ``saw``."""
 
     def __init__(self) -> None:
         self._writes: Dict[Hashable, bool] = {}  # training modes -> whether the layers wrote
@@ -51,19 +55,13 @@ class CallerInput:
         alone."""
         return self._writes.get(training, True)
 
-    def run(self, tensors: Tuple[Tensor, ...], training: Hashable, copy: bool,
-            call: Callable[[Tuple[Tensor, ...]], Any]) -> Any:
-        """``call`` on ``tensors``, or on copies of them (always with ``copy``, and while
-        the layers may write them); learns from the version counters whether they did."""
-        copy = copy or self.copies(training)
-        if copy:
-            tensors = tuple(t.clone() for t in tensors)
-        before = _versions(tensors)
-        out = call(tensors)
-        after = _versions(tensors)
+    def saw(self, training: Hashable, copied: bool, before: Optional[Tuple[int, ...]],
+            after: Optional[Tuple[int, ...]]) -> None:
+        """Learn from one run in ``training`` modes, on copies (``copied``) or not, whose
+        input had the version counters ``before`` and ``after`` the layers: they write it
+        if the counters moved; they leave it alone once a copy came back unchanged."""
         if before is not None and after is not None:
             if before != after:
                 self._writes[training] = True
-            elif copy:
+            elif copied:
                 self._writes.setdefault(training, False)
-        return out

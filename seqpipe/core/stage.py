@@ -13,9 +13,10 @@ the graph at every boundary is what lets each stage's backward run on its own th
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+import functools
+import operator
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -24,92 +25,31 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from seqpipe.core.autograd_calls import run_backward
 from seqpipe.core.batchnorm import end_statistics
 from seqpipe.core.boundary import Grads, Received, moved, wants_grad
-from seqpipe.core.caller_input import CallerInput
+from seqpipe.core.caller_input import CallerInput, versions
 from seqpipe.core.checkpoint import (
-    Replay,
     check_reentrant,
     first_pass,
     refusing_reentrant,
     run_task,
 )
 from seqpipe.core.draws import NO_DRAWS, draws_nothing
-from seqpipe.core.entry import Entry, enter
+from seqpipe.core.entry import enter
 from seqpipe.core.in_flight import settle
-from seqpipe.core.microbatch import Batch
+from seqpipe.core.microbatch import Batch, Constants
 from seqpipe.core.parametrize_cache import forget_cached
 from seqpipe.core.rng import backward_stream, captures
 from seqpipe.core.saved import SavedTensors
 from seqpipe.core.segments import run_segments, segments_of, skips_between
 from seqpipe.core.sink import GradSink
 from seqpipe.core.split_backward import SplitBackward, autograd_inputs
+from seqpipe.core.task_state import Pending, Sent, TaskState, edge_of, gradient_edge
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey, StageSkipTracker, swap_skip_tracker
 
 __all__ = ["Received", "Sent", "Grads", "TaskState", "Stage", "moved", "wants_grad"]
 
 Crossing = Callable[[SkipKey], bool]
-
-
-@dataclass
-class Sent:
-    """What a stage produced for one micro-batch: its output and outgoing skips."""
-
-    outputs: Batch
-    skips: Dict[SkipKey, Optional[Tensor]]
-    replayed: bool = False  # computed without a graph, to be recomputed with one at I
-
-    def wants_grad(self, tensor: Optional[Tensor]) -> bool:
-        """Whether the receiver of ``tensor`` should send its gradient back: as
-        ``wants_grad``; for a forward that will be recomputed, whether it will have one."""
-        if self.replayed:
-            return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
-        return wants_grad(tensor)
-
-
-@dataclass
-class TaskState:
-    """What one (stage, micro-batch) forward keeps for its backward."""
-
-    num_inputs: int
-    skip_keys: Tuple[SkipKey, ...]
-    entry: Entry = field(default_factory=Entry)  # how the received tensors entered the graph
-    roots: List[Optional[GradientEdge]] = field(default_factory=list)
-    skip_roots: Dict[SkipKey, Optional[GradientEdge]] = field(default_factory=dict)
-    replay: Optional["_Pending"] = None  # a checkpointed forward, recomputed at I
-    split: Optional[SplitBackward] = None  # between I and W
-    head: Optional["TaskState"] = None  # the loss's own graph, on a replayed last stage
-    saved: Optional[SavedTensors] = None  # split: what the forward saved, freed after I
-    stream: Optional[int] = None  # the seed of the backward's private stream, if it needs one
-
-    def edges(self) -> List[GradientEdge]:
-        """The roots of this micro-batch's graph on the stage (outputs and skips)."""
-        return [e for e in (*self.roots, *self.skip_roots.values()) if e is not None]
-
-    def recording(self) -> ContextManager[None]:
-        """Around more of this micro-batch's forward (the loss on the last stage): what it
-        saves is held with the rest, so that a split backward frees it after ``I``."""
-        return self.saved.recording() if self.saved is not None else nullcontext()
-
-
-@dataclass
-class _Pending:
-    """What the recomputation of a checkpointed forward needs (split backward)."""
-
-    received: Received
-    replay: Replay
-    sink: Optional[GradSink]
-
-
-def _edge(tensor: Optional[Tensor]) -> Optional[GradientEdge]:
-    return _gradient_edge(tensor) if tensor is not None and wants_grad(tensor) else None
-
-
-def _gradient_edge(tensor: Tensor) -> GradientEdge:
-    """``get_gradient_edge(tensor)``, made directly for a C++ node (per micro-batch)."""
-    node = tensor.grad_fn
-    if node is None or isinstance(node, torch._C._FunctionBase):  # a leaf, a Python node
-        return get_gradient_edge(tensor)  # (which keeps a Python node's graph alive)
-    return GradientEdge(node, tensor.output_nr)
+_TRAINING = operator.attrgetter("training")
 
 
 class Stage:
@@ -158,37 +98,63 @@ class Stage:
         write it, checkpointed or not (``seqpipe.core.caller_input``).
         """
         atomic, constants = like.atomic, like.constants  # not its tensors: not kept alive
-        layers = self._layers(tracker, sink)
-
-        def call(tensors: Tuple[Tensor, ...]) -> Any:
-            return layers(self.partition, Batch(tensors, atomic, constants).value)
 
         def run(*tensors: Tensor) -> Any:
-            if self.caller_input is not None:  # the caller's input: copied if written
-                modes = tuple([layer.training for layer in self.partition._modules.values()])
-                return self.caller_input.run(tensors, modes, protect, call)
-            return call(tuple(t.clone() for t in tensors) if protect else tensors)
+            return self._run(tensors, atomic, constants, tracker, sink, protect)
         return run
 
-    def run_inline(self, inputs: Batch, tracker: StageSkipTracker) -> Sent:
-        """The whole partition on ``inputs``, not checkpointed, in the current grad mode
-        and graph (no entry node): a one-micro-batch call run as the plain model
-        (``seqpipe.local.direct``)."""
-        return self._sent(self._call(tracker, inputs)(*inputs.tensors), tracker)
+    def _run(self, tensors: Tuple[Tensor, ...], atomic: bool, constants: Constants,
+             tracker: Optional[StageSkipTracker], sink: Optional[GradSink],
+             protect: bool) -> Any:
+        """The partition on ``tensors`` (the rest of the input: ``atomic``, ``constants``),
+        copied first with ``protect`` or where they are the caller's and its layers write
+        them (see ``_call``). One function, not nested closures: this is every
+        micro-batch's path, in both engines and the direct call."""
+        caller = self.caller_input  # (the first stage's: the caller's input)
+        copied = protect
+        if caller is not None:
+            modes = tuple(map(_TRAINING, self.partition._modules.values()))  # layer flags
+            copied = protect or caller.copies(modes)
+        if copied:
+            tensors = tuple([t.clone() for t in tensors])
+        before = None if caller is None else versions(tensors)
+        value = tensors[0] if atomic else Batch(tensors, atomic, constants).value
+        if tracker is None:  # (run_inline's: no tracker asked for, no sink)
+            forget_cached(self.partition)  # as ``_in_task``
+            out = self.partition(value)
+        else:
+            out = self._in_task(tracker, sink, self.partition, value)
+        if caller is not None:
+            after = versions(tensors)
+            if copied or before != after:  # (else nothing to learn)
+                caller.saw(modes, copied, before, after)
+        return out
 
-    def _layers(self, tracker: StageSkipTracker,
-                sink: Optional[GradSink]) -> Callable[[nn.Module, Any], Any]:
-        """Runs some of the partition's layers (all, or a segment) with the task's tracker."""
-        def call(layers: nn.Module, value: Any) -> Any:
-            forget_cached(layers)  # parametrize.cached(): this task's own (usually nothing)
-            previous = swap_skip_tracker(tracker)  # use_skip_tracker, without a generator
-            try:
-                if sink is None:
-                    return layers(value)
-                return sink.call(self.index, layers, value)
-            finally:
-                swap_skip_tracker(previous)
-        return call
+    def run_inline(self, tensors: Tuple[Tensor, ...], like: Optional[Batch],
+                   tracker: Optional[StageSkipTracker]) -> Union[Tensor, Sent]:
+        """The whole partition on ``tensors`` (placed as in ``like``; ``None``: one tensor),
+        not checkpointed, in the current grad mode and graph (no entry node), with
+        ``tracker`` (``None``: a partition without skippable layers, where none asks): a
+        one-micro-batch call run as the plain model (``seqpipe.local.direct``). Returns a
+        tensor output as it is where there is no tracker (nothing else to hand on)."""
+        atomic, constants = (True, ()) if like is None else (like.atomic, like.constants)
+        out = self._run(tensors, atomic, constants, tracker, None, False)
+        if tracker is None and isinstance(out, Tensor):
+            return out
+        return self._sent(out, tracker)
+
+    def _in_task(self, tracker: StageSkipTracker, sink: Optional[GradSink],
+                 layers: nn.Module, value: Any) -> Any:
+        """Some of the partition's ``layers`` (all, or a segment) on ``value``, with the
+        task's tracker and ``sink``."""
+        forget_cached(layers)  # parametrize.cached(): this task's own (usually nothing)
+        previous = swap_skip_tracker(tracker)  # use_skip_tracker, without a generator
+        try:
+            if sink is None:
+                return layers(value)
+            return sink.call(self.index, layers, value)
+        finally:
+            swap_skip_tracker(previous)
 
     def forward(self, received: Received, *, grad: bool, checkpoint: bool = False,
                 seed: Optional[int] = None, sink: Optional[GradSink] = None,
@@ -222,15 +188,17 @@ class Stage:
         out, replay = first_pass(self._call(tracker, received.inputs, True, sink),
                                  received.inputs.tensors, seed=seed, device=self.device)
         state = TaskState(len(received.inputs), tuple(received.skips))
-        state.replay = _Pending(received, replay, sink)
+        state.replay = Pending(received, replay, sink)
         sent = self._sent(out, tracker)
         sent.replayed = bool(self.parameters()) or any(received.grad_flags)
         return sent, state
 
-    def _sent(self, out: Any, tracker: StageSkipTracker) -> Sent:
+    def _sent(self, out: Any, tracker: Optional[StageSkipTracker]) -> Sent:
         # Take the outgoing skips out of the tracker: a checkpoint keeps the tracker (for
         # its recomputation) until backward, and must not keep the skips alive with it.
-        outgoing, tracker.outgoing = tracker.outgoing, {}
+        outgoing: Dict[SkipKey, Optional[Tensor]] = {}
+        if tracker is not None:
+            outgoing, tracker.outgoing = tracker.outgoing, {}
         missing = self.outgoing - set(outgoing) if self.outgoing else None
         if missing:
             raise RuntimeError(
@@ -257,7 +225,8 @@ class Stage:
         with state.recording():
             if checkpoint and self.segments:  # checkpoint_every: segment by segment
                 tracker.between = self.between
-                out = run_segments(self.partition, self.segments, self._layers(tracker, sink),
+                out = run_segments(self.partition, self.segments,
+                                   functools.partial(self._in_task, tracker, sink),
                                    received.inputs.like(inputs).value, seed=seed)
             else:
                 out = run_task(self._call(tracker, received.inputs, checkpoint or replaying,
@@ -265,8 +234,8 @@ class Stage:
         if captures() != read:  # a layer's own checkpoint saved the private stream's state
             state.stream = seed
         sent = self._sent(out, tracker)
-        state.roots = [_edge(t) for t in sent.outputs.tensors]
-        state.skip_roots = {k: _edge(t) for k, t in sent.skips.items()}
+        state.roots = [edge_of(t) for t in sent.outputs.tensors]
+        state.skip_roots = {k: edge_of(t) for k, t in sent.skips.items()}
         return sent, state
 
     def loss(self, state: TaskState, sent: Sent, compute: Callable[[Batch], Tensor]) -> Tensor:
@@ -282,7 +251,7 @@ class Stage:
         if state.replay is None:
             with state.recording():
                 loss = compute(sent.outputs)
-            state.roots = [_gradient_edge(loss)]
+            state.roots = [gradient_edge(loss)]
             return loss
         tensors: List[Optional[Tensor]] = list(sent.outputs.tensors)
         head = TaskState(len(tensors), (), saved=SavedTensors())

@@ -51,4 +51,5 @@ class SeenShapes:
         """This call's ``planned`` message to or from ``peer`` carried payload ``spec``."""
         key = (peer, *planned.identity)
         record = self._seen.get(key)
-        self._seen[key] = _Seen(spec, True) if record is None else record.then(spec)
+        if record is None or not record.trusted or record.spec != spec:  # (else: as it was)
+            self._seen[key] = _Seen(spec, True) if record is None else record.then(spec)

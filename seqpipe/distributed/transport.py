@@ -7,19 +7,19 @@ neighbour to receive, so schedules such as 1F1B cannot deadlock on sends. NCCL a
 share this one code path.
 
 **Receiving ahead.** Each call, both ends of every pair of stages are told the same plan
-(``seqpipe.distributed.plan``): the messages one sends the other, in order. A receiver
-posts the receives of a peer's next message, header *and* payload, sized as the same
-message was in the previous call, before the peer sends it, so the data is written straight
-into place (waiting for a header before posting the payload would put a second round trip
-on every hop). A call's first receive from each peer is put off until the rank first waits
-or ends an action (``post_due``; posted at the opening, they cost stage 0 ~0.1 ms each
-before its first forward); each later one is posted as soon as the message before it
-arrived, so its data flows while this rank computes (posting it only when the rank waits
-cost a 2-rank MLP 6-8 %). The sender keeps the same record, so it knows what the receiver
-posted: when the shapes differ it fills that receive, with a header that says so, and
-sends the real payload after it (one extra round trip). Which size is posted, and when a
-changing shape stops being trusted, is ``seqpipe.distributed.shapes``. A failure notice
-fills what the peer posted the same way.
+(``seqpipe.distributed.plan``): the messages one sends the other, in order. A receiver posts
+the receives of a peer's next message, header *and* payload, sized as the same message was
+in the previous call, before the peer sends it, so the data is written straight into place
+(no second round trip per hop). A call's first receive from each peer is put off until the
+rank first waits or ends an action (``post_due``: at the opening they cost stage 0 ~0.1 ms
+each before its first forward); each later one is posted as soon as the message before it
+arrived, so its data flows while this rank computes (posting only when the rank waits cost
+a 2-rank MLP 6-8 %). The sender keeps the same record, so it knows what the receiver posted:
+when the shapes differ it fills that receive, with a header that says so, and sends the
+real payload after it (one extra round trip; which size is posted, and when a changing
+shape stops being trusted: ``seqpipe.distributed.shapes``). A failure notice fills what the
+peer posted the same way. A header that repeats the same planned message's last one is not
+decoded again (``seqpipe.distributed.recycle.Headers``).
 
 **Headers stay on the host side.** On a GPU a header is built in pinned memory and copied
 into the message buffer without blocking, and a received header is read back through a
@@ -32,14 +32,14 @@ group run in issue order on one stream, so a receive posted ahead would hold up 
 later sends to that peer, and 1F1B could deadlock (docs/distributed.md, "On the wire"). A
 pipeline on a group for which no second group could be made (``seqpipe.distributed.mesh``)
 uses its one group both ways; on NCCL it then posts each receive only when it is needed.
-
-**Communicators and failures.** Every (group, pair) a call uses is opened when the pipeline
-is built (``seqpipe.distributed.communicators``), and failures travel only over those.
+Every (group, pair) a call uses is opened when the pipeline is built
+(``seqpipe.distributed.communicators``), and failures travel only over those.
 
 **Letting go of sent tensors.** A sent tensor must stay alive until its send completes.
 The plan says when a message has certainly been taken (its receiver has since sent
 something it only sends after the action that needs it), so each send is waited for and
-released then, and a 1F1B stage holds O(stages) sent activations, not O(micro-batches).
+released then (a host buffer of ours is kept for the next message of its size:
+``recycle.Spares``), and a 1F1B stage holds O(stages) sent activations, not O(micro-batches).
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ from torch import Tensor
 
 from seqpipe.distributed import inflight
 from seqpipe.distributed.communicators import open_pairs
+from seqpipe.distributed.recycle import Headers, Spares
 from seqpipe.distributed.shapes import SeenShapes
 from seqpipe.distributed.values import Values
 from seqpipe.distributed.wire import (
@@ -65,12 +66,10 @@ from seqpipe.distributed.wire import (
     Message,
     Spec,
     buffers,
-    decode,
     decode_text,
     encode_text,
     header_words,
     nbytes,
-    read_header,
     receives,
     spec_of,
     unpack,
@@ -82,7 +81,7 @@ if TYPE_CHECKING:
 __all__ = ["Kind", "Message", "Transport", "PeerError", "HEADER_SLOTS"]
 
 Channel = Tuple[int, int]  # (sending stage, receiving stage)
-_Sent = Tuple[int, dist.Work, Tensor]  # taken_at, work, the buffer it must keep alive
+_Sent = Tuple[int, dist.Work, Tensor, bool]  # taken_at, work, buffer kept alive, ours (Spares)
 
 
 class PeerError(RuntimeError):
@@ -149,6 +148,7 @@ class Transport:
         self._pin = device.type == "cuda"  # headers in pinned host memory, copied async
         self._side = torch.cuda.Stream(device) if self._pin else None
         self._arrived = torch.cuda.Event() if self._pin else None
+        self._spares, self._headers = Spares(device), Headers()  # what repeats (``recycle``)
 
     # -- communicators -----------------------------------------------------------------
     def connect(self, channels: Iterable[Channel]) -> None:
@@ -191,7 +191,7 @@ class Transport:
         work = _started(dist.isend(buffer, dst=self.global_rank(stage),
                                    group=self.group_between(self.index, stage)))
         self.sent_bytes += buffer.numel() * buffer.element_size()
-        self._pending[stage].append((taken_at, work, buffer))
+        self._pending[stage].append((taken_at, work, buffer, self._spares.ours(buffer)))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
         return _started(dist.irecv(buffer, src=self.global_rank(stage),
@@ -237,7 +237,7 @@ class Transport:
         header = header_words(kind, microbatch, key, count, atomic, actual != expected,
                               tensors, flags, origin=origin, values=values)
         for buffer in buffers(header, payload, expected, self.device, least=self.direct_bytes,
-                              pin=self._pin):
+                              pin=self._pin, alloc=self._spares.take):
             self._isend(buffer, stage, taken_at)
         if planned is not None:
             self._seen_out.saw(stage, planned, actual)
@@ -262,20 +262,19 @@ class Transport:
             self._due.pop(stage, None)
             self._post(stage)
         posted = self._posted.pop(stage)
-        header = self._arrival(posted)
-        kind, microbatch, key, count, atomic, reshaped, origin, specs, values = decode(header)
-        if kind is Kind.ABORT:
-            inflight.keep(posted.operations()[1:], group=self.group, wanted=False)  # placeholder
-            raise PeerError(decode_text(header), peer=stage)
         planned = posted.planned
-        if planned is not None and planned.identity != (kind, microbatch, key, origin):
-            raise RuntimeError(f"internal error: stage {stage} sent "
-                               f"{(kind, microbatch, key, origin)} where the plan says "
-                               f"{planned.identity}")
-        spec: Spec = tuple((s[0], s[2]) for s in specs if s is not None)
+        header = self._headers.read(self._arrival(posted),
+                                    None if planned is None else (stage, planned.identity))
+        if header.kind is Kind.ABORT:
+            inflight.keep(posted.operations()[1:], group=self.group, wanted=False)  # placeholder
+            raise PeerError(decode_text(header.words), peer=stage)
+        if planned is not None and planned.identity != header.identity:
+            raise RuntimeError(f"internal error: stage {stage} sent {header.identity} where "
+                               f"the plan says {planned.identity}")
+        spec, specs = header.spec, header.specs
         if posted.direct is not None:  # the payload's tensor, or a placeholder in it
             self._wait(posted.direct[1])
-        if not reshaped:
+        if not header.reshaped:
             if spec != posted.spec:
                 raise RuntimeError(f"internal error: stage {stage} sent a payload of another "
                                    f"shape than this stage posted, without saying so")
@@ -294,11 +293,11 @@ class Transport:
         if self.ahead and self._incoming[stage]:
             self._post(stage)  # now: its data can flow while this rank computes
         tensors = tuple(None if s is None else payload.pop(0) for s in specs)
-        flags = tuple(bool(s and s[1]) for s in specs)
-        return Message(kind, microbatch, key, tensors, flags, count, atomic, origin, values)
+        return Message(header.kind, header.microbatch, header.key, tensors, header.flags,
+                       header.count, header.atomic, header.origin, header.values)
 
-    def _arrival(self, posted: _Posted) -> List[int]:
-        """Wait for a posted receive; its header, read on the host.
+    def _arrival(self, posted: _Posted) -> Tensor:
+        """Wait for a posted receive; the bytes of its header, on the host.
 
         On a GPU the wait and the copy of the header run on a side stream, so the host
         waits for this message and 2 KiB, not for the compute queued on the current stream;
@@ -308,7 +307,7 @@ class Transport:
             self.post_due()  # this rank waits now: the receives put off cost nothing here
         if self._side is None or self._arrived is None:  # the buffer is host memory
             self._wait(posted.work)
-            return read_header(posted.buffer)
+            return posted.buffer
         host = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(self._side):
             self._wait(posted.work)  # makes the side stream, not the host, wait
@@ -316,28 +315,32 @@ class Transport:
             self._arrived.record(self._side)
         self._arrived.synchronize()
         torch.cuda.current_stream(self.device).wait_event(self._arrived)
-        return read_header(host)
+        return host
 
     # -- releasing sends ---------------------------------------------------------------
     def _release(self, dst: int, before: int) -> None:
         """Drop sends to ``dst`` that it has taken: needed before its action ``before``."""
         taken = [entry for entry in self._pending[dst] if entry[0] < before]
-        for _, work, _ in taken:
-            self._complete(work, dst)
+        for entry in taken:
+            self._complete(entry, dst)
         if taken:
             self._pending[dst] = [entry for entry in self._pending[dst] if entry[0] >= before]
 
-    def _complete(self, work: dist.Work, stage: int) -> None:
+    def _complete(self, sent: _Sent, stage: int) -> None:
+        """Wait for a send to ``stage``; its buffer is then kept for reuse, if ours."""
+        _, work, buffer, spare = sent
         try:
             work.wait()
         except Exception as exc:
             raise PeerError(f"lost stage {stage} while sending to it: "
                             f"{type(exc).__name__}: {exc}", peer=stage) from exc
+        if spare:
+            self._spares.give(buffer)
 
     def pending_bytes(self) -> int:
         """Bytes of sent tensors still held until their sends are known to be complete."""
         return sum(t.numel() * t.element_size() for sent in self._pending.values()
-                   for _, _, t in sent)
+                   for _, _, t, _ in sent)
 
     def flush(self) -> None:
         """Wait until every queued send has gone out; ``PeerError`` names a lost receiver.
@@ -346,8 +349,8 @@ class Transport:
         """
         pending, self._pending = self._pending, defaultdict(list)
         for stage, sent in pending.items():
-            for _, work, _ in sent:
-                self._complete(work, stage)
+            for entry in sent:
+                self._complete(entry, stage)
         left = {s: [p.identity for p in q] for s, q in (*self._incoming.items(),
                                                          *self._outgoing.items()) if q}
         self._due.clear()
@@ -361,18 +364,15 @@ class Transport:
         """Tell the stages that still expect a message from this one in this call that a
         stage failed, so they raise instead of waiting (and pass it on the same way).
 
-        Only pairs the plan uses carry the news (another pair could need a new
-        communicator, which blocks on NCCL), and it reaches every stage: a stage waiting
-        on this one expects a message from it, so it is told, and passes it on. Stage
-        ``heard_from``, which told this one (or was lost), is not told back.
-
-        The news is one message (the text rides in the header), sized to fill what the
-        peer posted for its next message from this stage, so a peer already waiting gets
-        all of it at once. It returns without waiting for the sends: they, the call's
-        unfinished sends and its posted receives stay alive (dropping one can cancel it),
-        and if the process exits, it first gives the news up to ``patience`` to go out
-        (``seqpipe.distributed.inflight``); a dead peer cannot be told, and is skipped.
-        The transport refuses further calls: their messages would meet this call's.
+        Only pairs the plan uses carry the news (another pair could need a new communicator,
+        which blocks on NCCL); a stage waiting on this one expects a message from it, so it is
+        told, and passes it on; ``heard_from``, which told this one (or was lost), is not told
+        back. The news is one message (the text rides in the header) that fills what the peer
+        posted for its next message from this stage. It returns without waiting: that send,
+        the call's unfinished sends and its posted receives stay alive (dropping one can
+        cancel it), and at exit the news gets up to ``patience`` to go out (``inflight``); a
+        dead peer is skipped. The transport refuses further calls: their messages would meet
+        this call's.
         """
         self.failure = text
         header = encode_text(Kind.ABORT, text, pin=self._pin)
@@ -384,9 +384,9 @@ class Transport:
             except Exception:  # noqa: BLE001 - a dead peer cannot be told; the others can
                 pass
         sent = [entry for entries in self._pending.values() for entry in entries]
-        inflight.keep([(w, b) for at, w, b in sent if at == sys.maxsize], patience=patience,
+        inflight.keep([(w, b) for at, w, b, _ in sent if at == sys.maxsize], patience=patience,
                       group=self.group)
-        inflight.keep([(w, b) for at, w, b in sent if at != sys.maxsize] +
+        inflight.keep([(w, b) for at, w, b, _ in sent if at != sys.maxsize] +
                       [op for p in self._posted.values() for op in p.operations()],
                       group=self.group, wanted=False)
         self._pending = defaultdict(list)

@@ -17,10 +17,11 @@ the header's receive (``direct``, ``buffers``, ``receives``).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import struct
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -88,20 +89,27 @@ def _sizes(spec: Spec) -> List[int]:
     return [math.prod(shape) * dtype.itemsize for dtype, shape in spec]
 
 
+@functools.lru_cache(maxsize=4096)  # asked twice per message, of a few specs per call
 def nbytes(spec: Spec) -> int:
+    """The bytes ``spec``'s tensors take in a message, each aligned."""
     return sum(-(-n // _ALIGN) * _ALIGN for n in _sizes(spec))
 
 
+Alloc = Callable[[int], Tensor]  # a byte buffer of this many bytes on the transport's device
+
+
 def pack(header: Union[Tensor, List[int], None], tensors: Sequence[Tensor], size: int,
-         device: torch.device, *, pin: bool = False) -> Tensor:
+         device: torch.device, *, pin: bool = False, alloc: Optional[Alloc] = None) -> Tensor:
     """One byte buffer of ``size``: the header (if any), then each tensor, aligned.
 
     ``header``: a header tensor (``encode``; from pinned memory on a GPU, its copy is
     queued and the host does not wait), or its words (``header_words``), which a host
     buffer takes in place, without a header tensor or a copy (a device buffer gets them
-    as a header tensor, in pinned memory with ``pin``).
+    as a header tensor, in pinned memory with ``pin``). ``alloc``: where the buffer comes
+    from (a kept one: ``seqpipe.distributed.recycle.Spares``), else a new one.
     """
-    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    buffer = alloc(size) if alloc is not None else torch.empty(size, dtype=torch.uint8,
+                                                               device=device)
     host = buffer.numpy() if device.type == "cpu" else None
     offset = 0
     if header is not None:
@@ -157,7 +165,7 @@ def placeholder(spec: Spec, device: torch.device) -> Tensor:
 
 def buffers(header: Union[Tensor, List[int]], payload: Sequence[Tensor], expected: Spec,
             device: torch.device, *, least: Optional[int] = DIRECT_BYTES,
-            pin: bool = False) -> List[Tensor]:
+            pin: bool = False, alloc: Optional[Alloc] = None) -> List[Tensor]:
     """What a message sends, in order, to fill the receives its peer posted for a payload
     of ``expected`` (``receives``): the header, and
 
@@ -166,17 +174,19 @@ def buffers(header: Union[Tensor, List[int]], payload: Sequence[Tensor], expecte
     * else a placeholder of the posted size (after the header, or apart from it), and then
       the payload on its own (the header says so: "reshaped"). A failure notice is a
       header whose payload is ``[]``.
+
+    The byte buffers (not a payload sent as it is, nor a placeholder) come from ``alloc``.
     """
     actual = spec_of(payload)
     reshaped = actual != expected
     if direct(expected, least):
-        sent = [pack(header, [], HEADER_BYTES, device, pin=pin),
+        sent = [pack(header, [], HEADER_BYTES, device, pin=pin, alloc=alloc),
                 placeholder(expected, device) if reshaped else as_sent(payload[0], device)]
     else:
         sent = [pack(header, [] if reshaped else payload,
-                     HEADER_BYTES + nbytes(expected), device, pin=pin)]
+                     HEADER_BYTES + nbytes(expected), device, pin=pin, alloc=alloc)]
     if reshaped and payload:
-        sent.append(pack(None, payload, nbytes(actual), device))
+        sent.append(pack(None, payload, nbytes(actual), device, alloc=alloc))
     return sent
 
 

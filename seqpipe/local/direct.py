@@ -19,6 +19,12 @@ Two identity autograd Functions keep what a caller can see of the engine's call:
   backward refuses what the engine refuses: ``create_graph=True`` and a second backward
   through the same output, with the engine's messages.
 
+The pipe makes one ``DirectCall`` when it is built (``Pipe.__init__``) where it has one
+``cpu`` partition: what cannot change between calls is settled then, and a call checks only
+what can (its input, grad mode, trainable parameters, the checkpoint mode, tracing, a DDP
+forward), with as few Python calls as it can: each one after a backward costs several
+microseconds, the caches holding the backward's data rather than the interpreter's.
+
 What differs from the engine, by construction (the plain model's behaviour): a tensor
 outside the pipe that a layer holds (a leaf that is not a parameter of the pipe, or a
 value of the caller's graph) gets its gradient, and a layer checkpointing itself with
@@ -30,22 +36,23 @@ and an exception raised inside the partition's backward carries no seqpipe note.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from seqpipe.core.autograd_calls import apply_function
-from seqpipe.core.microbatch import Batch, Input, gather
+from seqpipe.core.checkpoint import checkpoint_stop
+from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.sink import ddp_forward_running
-from seqpipe.core.stage import Stage, wants_grad
+from seqpipe.core.stage import Sent, Stage, wants_grad
+from seqpipe.skip.skippable import is_skippable
 from seqpipe.skip.tracker import StageSkipTracker
 from seqpipe.trace import hooks
 
-__all__ = ["DOUBLE_BACKWARD", "PHONY", "SECOND_BACKWARD", "any_trainable",
-           "pipeline_outputs", "refuse_create_graph", "runs_direct", "run_direct",
-           "whole_backward"]
+__all__ = ["DOUBLE_BACKWARD", "PHONY", "SECOND_BACKWARD", "DirectCall", "any_trainable",
+           "pipeline_outputs", "refuse_create_graph", "whole_backward"]
 
 # What the engine and the direct call refuse, in the same words.
 SECOND_BACKWARD = ("this pipeline output was already backpropagated; its activations are "
@@ -58,9 +65,11 @@ def pipeline_outputs(ctx: Any, outputs: Tuple[Tensor, ...]) -> Tuple[Tensor, ...
     """In the forward of the Function that hands a call's outputs to the caller: no
     zero-filled gradients, and the outputs that cannot have one marked so."""
     ctx.set_materialize_grads(False)
-    fixed = [t for t in outputs if not (t.is_floating_point() or t.is_complex())]
-    if fixed:  # (usually none: no call)
-        ctx.mark_non_differentiable(*fixed)
+    for tensor in outputs:  # (usually all can: no list made, no call)
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            ctx.mark_non_differentiable(
+                *[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
+            break
     return outputs
 
 
@@ -116,76 +125,113 @@ class _Exit(torch.autograd.Function):
     """The outputs as new tensors; refuses double and second backwards (see the module)."""
 
     @staticmethod
-    def forward(ctx: Any, used: List[bool], phony: Tensor,  # type: ignore[override]
-                *tensors: Tensor) -> Tuple[Tensor, ...]:
-        ctx.used = used
+    def forward(ctx: Any, phony: Tensor, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.used = False
         return pipeline_outputs(ctx, tuple([t.detach() for t in tensors]))
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         refuse_create_graph()
-        if ctx.used[0]:
+        if ctx.used:
             raise RuntimeError(SECOND_BACKWARD)
-        ctx.used[0] = True
-        return (None, None, *grads)
+        ctx.used = True
+        return (None, *grads)
 
 
-def runs_direct(stages: Sequence[Stage], given: Input, chunks: int, checkpoint_stop: int,
-                isolate_rng: bool) -> bool:
-    """Whether a ``Pipe`` call of ``given`` can run as the plain model (module docstring):
-    one ``cpu`` stage, one micro-batch with every tensor on the CPU, no checkpoint, no
-    private RNG, nothing tracing, no ``DistributedDataParallel`` forward."""
-    if len(stages) != 1 or stages[0].device.type != "cpu" or checkpoint_stop or isolate_rng:
-        return False
-    if hooks.enabled() or ddp_forward_running():
-        return False
-    if chunks != 1 and given.size != 1:
-        return False
-    for tensor in given.batch.tensors:  # a loop, not a generator: a call's fixed cost
-        if not tensor.is_cpu:
-            return False
-    return True
+class _ExitOne(_Exit):
+    """``_Exit`` of one floating-point tensor (the common case), in fewer Python calls."""
+
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, tensor: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.used = False
+        ctx.set_materialize_grads(False)
+        return tensor.detach()
 
 
 def any_trainable(module: nn.Module) -> bool:
     """Whether some parameter of ``module`` (or of its submodules) requires grad:
-    ``any(p.requires_grad for p in module.parameters())``, walked without generators (a
-    call's fixed cost)."""
-    for param in module._parameters.values():
-        if param is not None and param.requires_grad:
-            return True
-    for child in module._modules.values():
-        if child is not None and any_trainable(child):
-            return True
+    ``any(p.requires_grad for p in module.parameters())``, walked in one frame, without
+    generators or recursion (a call's fixed cost)."""
+    modules = [module]
+    while modules:
+        current = modules.pop()
+        for param in current._parameters.values():
+            if param is not None and param.requires_grad:
+                return True
+        for child in current._modules.values():
+            if child is not None:  # (a module registered as None)
+                modules.append(child)
     return False
 
 
-def run_direct(stage: Stage, given: Input, grad: bool) -> Tuple[Batch, Tuple[Tensor, ...]]:
-    """Run ``stage``'s partition on ``given`` as one micro-batch in the caller's graph (with
-    ``grad``, which only a caller in grad mode gives; else under ``no_grad``); its deferred
-    BatchNorm statistics committed (or dropped on failure). Returns the output's shape (its
-    tensors left out) and tensors."""
-    tensors = given.batch.tensors
-    if grad and any([wants_grad(t) for t in tensors]):
-        tensors = _Enter.apply(*tensors)
-    tracker = StageSkipTracker(stage.crossing, {})
-    try:
-        if grad:  # grad mode is on already (``Pipe._run`` asked)
-            sent = stage.run_inline(given.batch.like(tensors), tracker)
+class DirectCall:
+    """A ``Pipe``'s calls that run as the plain model (module docstring), made once with a
+    pipe of one ``cpu`` partition (so no private random streams either)."""
+
+    def __init__(self, stage: Stage) -> None:
+        assert stage.device.type == "cpu", "a DirectCall runs a cpu stage"
+        self.stage = stage
+        # Whether a skippable layer (at any depth) may ask for a skip tracker: a call makes
+        # one only then. Read once, as the engine reads the skip layout.
+        self.skips = any(is_skippable(layer) for layer in stage.partition.modules())
+
+    def __call__(self, module: nn.Module, input: Any, given: Optional[Input], chunks: int,
+                 checkpoint: str) -> Optional[TensorOrTensors]:
+        """The output of ``module`` (the pipe, with ``chunks`` and ``checkpoint``) for
+        ``input``, run as the plain model in the caller's graph; ``None`` where this call
+        cannot be (one micro-batch with every tensor on the CPU, not checkpointed, nothing
+        tracing, no ``DistributedDataParallel`` forward): the engine runs it. ``given`` is
+        ``Input.of(input)``, or ``None`` for a tensor with a batch dimension (the common
+        case, read without making one). Its deferred BatchNorm statistics are committed (or
+        dropped on failure). One function: each call here is a call's fixed cost."""
+        if given is None:
+            tensors: Tuple[Tensor, ...] = (input,)
+            if not input.is_cpu or (chunks != 1 and input.shape[0] != 1):
+                return None
+            trains = input.requires_grad
         else:
-            with torch.no_grad():
-                sent = stage.run_inline(given.batch.like(tensors), tracker)
-    except BaseException as exc:
-        stage.finish_forward(failed=True)
-        if isinstance(exc, Exception):
-            exc.add_note(f"seqpipe: raised by stage {stage.index} in the forward of "
-                         f"micro-batch 0")
-        raise
-    stage.finish_forward()
-    gathered = sent.outputs
-    if not gathered.atomic or not gathered.tensors[0].dim():  # else one tensor: as it is
-        gathered = Batch.of(gather([gathered]))  # the checks and their errors
-    if not grad:
-        return gathered.like(()), tuple(t.detach() for t in gathered.tensors)
-    # The outputs require grad, as the engine's, even where the partition's do not.
-    return gathered.like(()), apply_function(_Exit, [False], PHONY, *gathered.tensors)
+            tensors = given.batch.tensors
+            trains = False
+            for tensor in tensors:  # a loop, not a generator: a call's fixed cost
+                if not tensor.is_cpu:
+                    return None
+                trains = trains or tensor.requires_grad
+            if chunks != 1 and given.size != 1:
+                return None
+        if hooks.enabled() or ddp_forward_running():
+            return None
+        grad = torch.is_grad_enabled() and (trains or any_trainable(module))
+        if grad and module.training and checkpoint_stop(checkpoint, 1):
+            return None
+        if trains and grad:
+            for tensor in tensors:
+                if wants_grad(tensor):  # they enter as non-leaf tensors (the engine's do)
+                    tensors = _Enter.apply(*tensors)
+                    break
+        stage = self.stage
+        tracker = StageSkipTracker(stage.crossing, {}) if self.skips else None
+        like = None if given is None else given.batch
+        try:
+            if grad:  # grad mode is on already (asked above)
+                ran = stage.run_inline(tensors, like, tracker)
+            else:
+                with torch.no_grad():
+                    ran = stage.run_inline(tensors, like, tracker)
+        except BaseException as exc:
+            stage.finish_forward(failed=True)
+            if isinstance(exc, Exception):
+                exc.add_note(f"seqpipe: raised by stage {stage.index} in the forward of "
+                             f"micro-batch 0")
+            raise
+        stage.finish_forward()
+        if not isinstance(ran, Sent):  # one tensor, no skips
+            if ran.dim() and (ran.is_floating_point() or ran.is_complex()):  # as it is
+                # The output requires grad, as the engine's, even where the partition's does not.
+                return apply_function(_ExitOne, PHONY, ran) if grad else ran.detach()
+            ran = Sent(Batch((ran,), True), {})
+        gathered = ran.outputs
+        if not gathered.atomic or not gathered.tensors[0].dim():
+            gathered = Batch.of(gather([gathered]))  # the checks and their errors
+        if not grad:
+            return gathered.like([t.detach() for t in gathered.tensors]).value
+        return gathered.like(apply_function(_Exit, PHONY, *gathered.tensors)).value
