@@ -231,13 +231,17 @@ def test_a_model_with_skips_runs_direct_with_a_tracker_of_its_own(
     pipe = _pipe(copy.deepcopy(plain))
     x = torch.randn(4, 6, dtype=torch.float64)
     outside = current_skip_tracker()
+    held = list(outside.tensors.items())  # (what an earlier failed plain forward left)
     _Pop.trackers.clear()
     pipe(x).pow(2).sum().backward()
     assert _Pop.trackers[-1] is not outside
     plain(x).pow(2).sum().backward()
     for (name, a), b in zip(pipe.named_parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad), name
-    assert not outside.tensors and current_skip_tracker() is outside
+    now = list(outside.tensors.items())
+    assert [k for k, _ in now] == [k for k, _ in held], "the thread's tracker changed"
+    assert all(a is b for (_, a), (_, b) in zip(now, held))
+    assert current_skip_tracker() is outside
 
 
 class _Block(nn.Module):
