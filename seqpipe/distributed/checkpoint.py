@@ -126,7 +126,9 @@ def _aliases(module: nn.Module) -> Dict[str, str]:
     converted by ``seqpipe.to_sequential`` (``module.origin``), every key mapped to the
     user's model's own key (``"3.transformer.h.0.ln_1.weight"`` ->
     ``"transformer.h.0.ln_1.weight"``), a tie to its first name there."""
-    aliases = canonical_names(module, module.ties if isinstance(module, DistributedPipe) else ())
+    tied = module._tied if isinstance(module, DistributedPipe) else None
+    aliases = canonical_names(module, tied.ties if tied is not None else ())  # (also copies
+    # that a wrapper made of a tensor shared on one rank: one entry, under its first name)
     origin = getattr(module, "origin", None)
     if origin is None:
         return aliases

@@ -10,10 +10,10 @@ the same kind of call), runs the rank's actions in schedule order, and closes th
 call on every rank together (the loss from the rank of the last stage, then DONE). A train
 step ends with the reductions: gradients averaged over the data-parallel replicas (and the
 stage's buffers broadcast), then what the step added to the gradients of weights tied
-across ranks summed (their earlier gradients set aside at the start: ``tie_grads``; copies
-FSDP2 manages are summed before their stage's FSDP2 reduction, which then runs here). Under
-``schedule="auto"`` the first train step is timed, and the schedule picked from it runs from
-the next call on.
+across ranks, or wrapped apart on one rank, summed (their earlier gradients set aside at the
+start: ``tie_grads``; copies FSDP2 manages are summed before their stage's FSDP2 reduction,
+which then runs here). Under ``schedule="auto"`` the first train step is timed, and the
+schedule picked from it runs from the next call on.
 """
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ from seqpipe.distributed.fsdp import ShardedStep
 from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
 from seqpipe.distributed.step import Call, LossFn
 from seqpipe.distributed.tie_grads import TieGrads
-from seqpipe.distributed.tie_local import LocalTies
 from seqpipe.distributed.traced import end_step
 from seqpipe.distributed.transport import Kind, Transport
 from seqpipe.schedule import Action, AnySchedule, Phase, Placement, validate_schedule
@@ -104,8 +103,6 @@ class CallLifecycle:
         self.sharded_failure_checks = False
         # where a DTensor received from another stage is rebuilt (DistributedPipe(mesh=...))
         self.mesh: Optional[DeviceMesh] = None
-        # parameters this rank's layers share: still one at each step (wrappers untie them)
-        self.local_ties: Optional[LocalTies] = None
         self.rank = transport.index
         self.num_ranks = placement.num_ranks
         self.num_stages = placement.num_stages
@@ -284,8 +281,8 @@ class CallLifecycle:
                 self.tied.set_aside(sharded)  # (FSDP2's copies: before FSDP2 reduces them)
             batches, plan = self.open(call, input, chunks)
             sharded.check(self.reducer.group if self.reducer is not None else None)
-            if self.local_ties is not None:  # (after open: a failure reaches every rank)
-                self.local_ties.check()
+            if self.tied is not None:  # copies on this rank trained alike (after open: a
+                self.tied.check()  # failure reaches every rank)
             call.checkpoint_stop = checkpoint_stop(checkpoint, len(batches))
             if self.is_last:
                 replicas = (sharded.replicas(self.num_stages - 1, self.device)
@@ -330,7 +327,7 @@ class CallLifecycle:
                 self.reducer.finish(where)
             if self.broadcast_buffers:
                 broadcast_buffers(self.partition, self.reducer.group)
-        if self.tied is not None:
+        if self.tied is not None and self.tied.active:
             with hooks.span(EventKind.REDUCE, self.stage_index, what=What.TIES):
                 self.tied.reduce()  # after the replicas' mean: the two commute
 

@@ -37,7 +37,7 @@ from seqpipe.distributed.mesh_reduce import MeshReduce
 from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.tie_grads import TieGrads
-from seqpipe.distributed.tie_local import LocalTies
+from seqpipe.distributed.tie_local import one_rank_ties
 from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
 from seqpipe.distributed.transport import Transport
 from seqpipe.graph.origin import Origin, model_output
@@ -75,7 +75,8 @@ class DistributedPipe(FixedLayers):
     them. A parameter that layers of stages on several ranks share (tied weights) has a
     copy on each of those ranks, whose gradients are summed after every step (see
     ``seqpipe.distributed.ties``; ``ties`` lists them with the ranks that hold them,
-    ``check_ties`` compares the copies); stages on one rank share one copy.
+    ``check_ties`` compares the copies); stages on one rank share one copy (wrapped apart
+    by FSDP2 or tensor parallelism, its copies there are summed too: ``tie_local``).
 
     Args:
         module: the whole model, the same on every rank (``meta`` tensors are fine).
@@ -177,6 +178,7 @@ class DistributedPipe(FixedLayers):
         layout = inspect_skip_layout(module, self.balance)
         self.ties: Tuple[Tie, ...] = tuple(_across_ranks(find_ties(module, self.balance),
                                                          self.placement))
+        on_one_rank = one_rank_ties(module, self.balance, self.placement)  # (wrapped apart)
         fingerprint = self._check_same_everywhere(module)
         named = list(module.named_children())
         bounds = [sum(self.balance[:s]) for s in range(self.num_stages + 1)]
@@ -222,9 +224,9 @@ class DistributedPipe(FixedLayers):
             self._reducer = GradientReducer(data_parallel_group, self.device,
                                             *self._reducer_options)
         self._tied: Optional[TiedCopies] = None
-        if self.ties:
+        if self.ties or on_one_rank:
             self._tied = TiedCopies(self.ties, self, self.rank, group, data_parallel_group,
-                                    self.device)
+                                    self.device, on_one_rank)
             self._tied.verify(tied_on_meta, at_construction=True)
         self._auto = (AutoRunner(self.schedule, self.num_ranks, self.num_stages, group,
                                  functools.partial(MeshReduce.of, group, partition,
@@ -238,7 +240,6 @@ class DistributedPipe(FixedLayers):
                                     broadcast_buffers=self.broadcast_buffers)
         self._calls.sharded_failure_checks = bool(sharded_failure_checks)
         self._calls.mesh = kept_mesh(check_mesh(mesh))  # without the default group
-        self._calls.local_ties = LocalTies.of(self, self.layer_names)
 
     data_parallel_group = property(lambda self: resolved(self._data_parallel), doc="""The
         replicas' group (``None``: none); the default group is read when asked for.""")
@@ -368,9 +369,7 @@ class DistributedPipe(FixedLayers):
         model's; every rank's gradients are scaled by the same factor. Collective: call it
         on every rank of the mesh, after ``train_step`` (after ``scaler.unscale_`` under a
         ``PipeGradScaler``). Returns the total norm (a float64 0-dim tensor)."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        elsewhere = {id(params[name]) for tie in self.ties if tie.stages[0] != self.rank
-                     for name in tie.names if name in params}
+        elsewhere = self._tied.uncounted() if self._tied is not None else set()
         return clip_grad_norm_(list(self.parameters()), self.mesh_reduce(), self.device,
                                max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
                                elsewhere=elsewhere)

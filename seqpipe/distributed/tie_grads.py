@@ -1,5 +1,5 @@
-"""The gradients of weights tied across ranks over one ``train_step``: what the step added,
-summed over the ranks that hold a copy.
+"""The gradients of tied weights over one ``train_step``: what the step added, summed over
+the copies (on the ranks that hold one, and on one rank, the copies that wrappers made).
 
 Each rank that uses a tie holds a copy (``seqpipe.distributed.ties``); at the end of a step
 each copy's gradient is summed over the holders, so every copy gets the plain model's
@@ -32,16 +32,33 @@ gradient, the sum over all uses. Two things make "each copy's gradient" more tha
   sum (``ShardedStep.claim``). The all-gather also carries each copy's layout, from which
   every rank picks whether a ``DTensor`` tie is summed by local shards or whole
   (``TiedCopies.whole``).
+* **Copies on one rank.** Where a wrapper wrapped apart the layers of one rank that share a
+  tie (``seqpipe.distributed.tie_local``), the rank holds several copies: each is set aside,
+  read and written as above, their sum is the rank's part of the tie's sum (a tie within
+  one rank needs no collective and no agreement), and the rank's layout code is one of its
+  own when its copies are laid out differently, so that the tie goes whole. Its copies must
+  all be trained or all frozen (``check``, at the start of the step: ``ValueError`` naming
+  the names to set ``requires_grad`` on).
+* **Two averages.** seqpipe's reducer averages its copies over the replicas before the sum,
+  FSDP2 its copies after it (in the reduce-scatter of the unsharded gradient the sum went
+  into). Where one tie has copies of both kinds (on one rank, or on different ranks: the
+  all-gather carries who averages each rank's copies), FSDP2's copies' gradients are
+  averaged over ``data_parallel_group`` (the same ranks as FSDP2's mesh,
+  ``ShardedStep.check``) before the sum, so that every copy gets the mean of the sum.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import functools
+import operator
+from typing import List, Optional, Sequence, Tuple, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from seqpipe.distributed.agreement import gather_ints
 from seqpipe.distributed.fsdp import ShardedStep, unsharded_grad
+from seqpipe.distributed.tensor_parallel import local
 from seqpipe.distributed.tie_layout import layout
 from seqpipe.distributed.ties import TiedCopies
 
@@ -49,6 +66,13 @@ __all__ = ["TieGrads"]
 
 # A rank's word on a tie, per step (the all-gather's values).
 NO_COPY, FROZEN, TRAINED, GIVEN = -1, 0, 1, 2
+# A layout code no single layout has (``layout`` codes are below 2**32): this rank's copies
+# are laid out differently, so the tie's sum goes by whole tensors.
+_APART = 1 << 32
+# Who averages a rank's copies over the data-parallel replicas (bits): FSDP2, after the sum
+# (it reduces the unsharded gradient the sum went into), and seqpipe's reducer, before it.
+_SHARDED, _REDUCED = 1, 2
+_BOTH = _SHARDED | _REDUCED
 
 
 class TieGrads:
@@ -58,103 +82,178 @@ class TieGrads:
 
     def __init__(self, copies: TiedCopies) -> None:
         self.copies = copies
-        # Per tie, from the start of the step: this rank's copy (as its layer held it
-        # then), the FSDPParam that manages it (if FSDP2 does), whether it is trained, and
-        # what its .grad held then (set aside).
-        self.now: List[Optional[Tensor]] = list(copies.copies)
-        self.fsdp: List[Optional[object]] = [None] * len(copies.ties)
-        self.trained: List[bool] = [False] * len(copies.ties)
-        self.earlier: List[Optional[Tensor]] = [None] * len(copies.ties)
+        # Per tie, from the start of the step: this rank's copies (as its layers held them
+        # then; none for a tie on one rank whose layers hold one tensor), the FSDPParam that
+        # manages each (if FSDP2 does), whether it is trained, and what each copy's .grad
+        # held then (set aside).
+        ties = len(copies.ties)
+        self.now: List[List[Tensor]] = [[] for _ in range(ties)]
+        self.fsdp: List[List[Optional[object]]] = [[] for _ in range(ties)]
+        self.trained: List[bool] = [False] * ties
+        self.earlier: List[List[Optional[Tensor]]] = [[] for _ in range(ties)]
+
+    @property
+    def active(self) -> bool:
+        """Whether this step sums something: a tie across ranks, or copies on one rank."""
+        return self.copies.across > 0 or any(self.now)
 
     def set_aside(self, sharded: Optional[ShardedStep] = None) -> None:
         """Start of a step: note which copies are trained (``requires_grad`` now) and set
         their ``.grad`` aside, so that the step's backward fills a fresh one. A copy that
         FSDP2 manages (``sharded.claim``) keeps its sharded ``.grad``: its sum goes into
         the step's unsharded gradient before FSDP2 reduces it (and adds it to ``.grad``)."""
-        self.now = list(self.copies.copies)
-        self.fsdp = [sharded.claim(c) if sharded is not None and c is not None else None
-                     for c in self.now]
-        self.trained = [c is not None and c.requires_grad for c in self.now]
-        for t, copy in enumerate(self.now):
-            if self.trained[t] and self.fsdp[t] is None:
-                assert copy is not None
-                self.earlier[t], copy.grad = copy.grad, None
+        across = self.copies.across
+        for t, copies in enumerate(self.copies.copies):
+            if t >= across and len(copies) < 2:
+                copies = []  # one tensor on one rank: autograd sums its uses
+            self.now[t] = copies
+            self.fsdp[t] = [sharded.claim(c) if sharded is not None else None for c in copies]
+            self.trained[t] = any(c.requires_grad for c in copies)
+            self.earlier[t] = [None] * len(copies)
+            if self.trained[t]:
+                for n, (copy, fsdp_param) in enumerate(zip(copies, self.fsdp[t])):
+                    if fsdp_param is None:
+                        self.earlier[t][n], copy.grad = copy.grad, None
+
+    def check(self) -> None:
+        """Raise ``ValueError`` if some of a tie's copies on this rank are trained and
+        others frozen (``requires_grad`` set through one of the layers that a wrapper
+        wrapped apart): the tie would be half trained."""
+        for t, (tie, copies) in enumerate(zip(self.copies.ties, self.now)):
+            if len({c.requires_grad for c in copies}) > 1:
+                self.put_back()
+                trained = [name for name, (owner, attribute) in
+                           zip(self.copies.names[t], self.copies.slots[t])
+                           if owner._parameters[attribute].requires_grad]  # type: ignore[union-attr]
+                raise ValueError(
+                    f"the tied parameter {tie.describe()} requires grad in its copies "
+                    f"{trained} on this rank but not in the others: a wrapper (fully_shard, "
+                    f"replicate, parallelize_module) wrapped the layers that share it apart, "
+                    f"so setting requires_grad through one layer reaches one copy only. Set "
+                    f"it on every name alike, between steps: for name in {list(tie.names)}: "
+                    f"pipe.get_parameter(name).requires_grad_(flag), on the ranks that hold "
+                    f"it")
 
     def put_back(self) -> None:
         """Add what was set aside back to each copy's ``.grad`` (the tensor it was)."""
-        for t, copy in enumerate(self.now):
-            earlier, self.earlier[t] = self.earlier[t], None
-            if earlier is None:
+        for copies, earlier in zip(self.now, self.earlier):
+            for n, copy in enumerate(copies):
+                held, earlier[n] = earlier[n], None
+                if held is None:
+                    continue
+                if copy.grad is not None:
+                    held.add_(copy.grad)
+                copy.grad = held
+
+    def _made(self, t: int) -> List[Tensor]:
+        """This step's gradient of each of this rank's copies of tie ``t``, zeros where
+        there is none (``_grads``)."""
+        return cast(List[Tensor], self._grads(t, create=True))
+
+    def _grads(self, t: int, create: bool = False) -> List[Optional[Tensor]]:
+        """This step's gradient of each of this rank's copies of tie ``t`` (FSDP2's
+        unsharded one for a copy it manages); zeros set where there is none if
+        ``create``."""
+        grads: List[Optional[Tensor]] = []
+        for copy, fsdp_param in zip(self.now[t], self.fsdp[t]):
+            if fsdp_param is not None:
+                grads.append(unsharded_grad(fsdp_param, create))
                 continue
-            assert copy is not None
-            if copy.grad is not None:
-                earlier.add_(copy.grad)
-            copy.grad = earlier
+            if copy.grad is None and create:
+                copy.grad = torch.zeros_like(copy)
+            grads.append(copy.grad)
+        return grads
 
-    def _grad(self, t: int, create: bool = False) -> Optional[Tensor]:
-        """This step's gradient of this rank's copy of tie ``t`` (FSDP2's unsharded one
-        for a copy it manages); zeros set where there is none if ``create``."""
-        fsdp_param, copy = self.fsdp[t], self.now[t]
-        if fsdp_param is not None:
-            return unsharded_grad(fsdp_param, create)
-        if copy is None:
-            return None
-        if copy.grad is None and create:
-            copy.grad = torch.zeros_like(copy)
-        return copy.grad
-
-    def _like(self, t: int, grad: Optional[Tensor]) -> Tensor:
-        """What tie ``t``'s gradient here is laid out like: ``grad``, else what it would be
-        made like (FSDP2's unsharded parameter, or the copy)."""
-        if grad is not None:
-            return grad
-        leaf = getattr(self.fsdp[t], "_unsharded_param", None)
-        copy = leaf if leaf is not None else self.now[t]
-        assert copy is not None
-        return copy
+    def _layout(self, t: int, grads: Sequence[Optional[Tensor]]) -> int:
+        """The layout code of this rank's copies of tie ``t`` (``-1``: none here;
+        ``_APART`` plus the rank where they differ): each copy's gradient, else what it
+        would be made like (FSDP2's unsharded parameter, or the copy)."""
+        codes = set()
+        for copy, fsdp_param, grad in zip(self.now[t], self.fsdp[t], grads):
+            if grad is None:
+                leaf = getattr(fsdp_param, "_unsharded_param", None)
+                grad = leaf if leaf is not None else copy
+            codes.add(layout(grad))
+        return -1 if not codes else codes.pop() if len(codes) == 1 else _APART + self.copies.stage
 
     def reduce(self) -> None:
-        """End of a step: agree on which ties to sum, sum this step's gradient of each over
-        its holders (every all-reduce started before any is waited for; by local shards,
-        or whole where the copies are laid out differently, see
+        """End of a step: agree on which ties across ranks to sum, sum this step's gradient
+        of each over its copies and holders (every all-reduce started before any is waited
+        for; by local shards, or whole where the copies are laid out differently, see
         ``seqpipe.distributed.tie_layout``), then add back what earlier steps left.
 
         Raises:
             RuntimeError: on every rank, a tie trained on some holders and frozen on
                 others.
         """
-        words, layouts = self._words()
-        said = [[words[r][t] for r in tie.stages] for t, tie in enumerate(self.copies.ties)]
-        for tie, theirs in zip(self.copies.ties, said):
-            if FROZEN in theirs and any(w >= TRAINED for w in theirs):
-                self.put_back()
-                raise RuntimeError(_mixed(tie.describe(), tie.stages, theirs))
+        across = self.copies.across
         waits = []
-        for t in range(len(self.copies.ties)):
-            if GIVEN not in said[t] or self.copies.sum_groups[t] is None:
-                continue  # frozen, or no gradient anywhere, or not this rank's sum
-            whole = self.copies.whole(t, [row[t] for row in layouts])
-            waits.append(self.copies.start_sum(t, self._grad(t, create=True), whole))
+        if across:
+            words, layouts, kinds = self._words()
+            said = [[words[r][t] for r in tie.stages]
+                    for t, tie in enumerate(self.copies.ties[:across])]
+            for tie, theirs in zip(self.copies.ties, said):
+                if FROZEN in theirs and any(w >= TRAINED for w in theirs):
+                    self.put_back()
+                    raise RuntimeError(_mixed(tie.describe(), tie.stages, theirs))
+            for t in range(across):
+                if GIVEN not in said[t] or self.copies.sum_groups[t] is None:
+                    continue  # frozen, or no gradient anywhere, or not this rank's sum
+                whole = self.copies.whole(t, [row[t] for row in layouts])
+                grads = self._made(t)
+                if functools.reduce(operator.or_, (row[t] for row in kinds)) == _BOTH:
+                    self._average_sharded(t, grads)
+                waits.append(self.copies.start_sum(t, grads, whole))
+        for t in range(across, len(self.copies.ties)):  # copies on this rank only
+            if self.trained[t] and any(g is not None for g in self._grads(t)):
+                grads = self._made(t)
+                if self._kind(t) == _BOTH:
+                    self._average_sharded(t, grads)
+                whole = self._layout(t, grads) >= _APART
+                waits.append(self.copies.start_sum(t, grads, whole))
         for wait in waits:
             wait()
         self.put_back()
 
-    def _words(self) -> Tuple[List[List[int]], List[List[int]]]:
-        """Per rank of the pipeline, per tie: its word (``NO_COPY`` ... ``GIVEN``), and its
-        gradient's layout (``tie_layout.layout``; -1 without a copy or a gradient)."""
+    def _kind(self, t: int) -> int:
+        """Who averages this rank's copies of tie ``t`` over the replicas (``_SHARDED``,
+        ``_REDUCED``, both or neither)."""
+        kind = 0
+        for fsdp_param in self.fsdp[t]:
+            kind |= _SHARDED if fsdp_param is not None else (
+                _REDUCED if self.copies.averaged is not None else 0)
+        return kind
+
+    def _average_sharded(self, t: int, grads: Sequence[Tensor]) -> None:
+        """Average FSDP2's copies' gradients of tie ``t`` over the replicas now, where other
+        copies of the tie are seqpipe's reducer's, which has averaged theirs already: every
+        part of the sum is then a mean, so the reducer's copies get the tie's mean too
+        (FSDP2's mean of what is already equal over the replicas changes nothing)."""
+        group = self.copies.averaged
+        assert group is not None
+        for grad, fsdp_param in zip(grads, self.fsdp[t]):
+            if fsdp_param is not None:
+                mine = local(grad)
+                dist.all_reduce(mine, group=group)
+                mine.div_(dist.get_world_size(group))
+
+    def _words(self) -> Tuple[List[List[int]], List[List[int]], List[List[int]]]:
+        """Per rank of the pipeline, per tie across ranks: its word (``NO_COPY`` ...
+        ``GIVEN``), its copies' gradients' layout (``_layout``; -1 without a copy), and who
+        averages them (``_kind``)."""
         mine = []
-        for t, (copy, trained) in enumerate(zip(self.now, self.trained)):
-            grad = self._grad(t) if trained else None
-            if copy is None:
+        for t in range(self.copies.across):
+            grads = self._grads(t) if self.trained[t] else [None] * len(self.now[t])
+            if not self.now[t]:
                 word = NO_COPY
-            elif not trained:
+            elif not self.trained[t]:
                 word = FROZEN
             else:
-                word = GIVEN if grad is not None else TRAINED
-            mine.append([word, -1 if copy is None else layout(self._like(t, grad))])
-        everyone = gather_ints([v for pair in mine for v in pair], self.copies.group,
-                               self.copies.device)
-        return [w[0::2] for w in everyone], [w[1::2] for w in everyone]
+                word = GIVEN if any(g is not None for g in grads) else TRAINED
+            mine += [word, self._layout(t, grads), self._kind(t)]
+        everyone = gather_ints(mine, self.copies.group, self.copies.device)
+        return ([w[0::3] for w in everyone], [w[1::3] for w in everyone],
+                [w[2::3] for w in everyone])
 
 
 def _mixed(tie: str, stages: Sequence[int], said: List[int]) -> str:

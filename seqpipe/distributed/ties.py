@@ -17,19 +17,19 @@ is the sum of both uses. Across processes each stage that uses it holds a copy, 
   with FSDP2 or split with tensor parallelism after construction: it is read from its layer
   when needed (``TiedCopies.copies``), FSDP2's copies are summed in their unsharded
   gradients before FSDP2 reduces them, and ``DTensor`` copies by local shards or whole
-  (``seqpipe.distributed.tie_layout``);
+  (``seqpipe.distributed.tie_layout``). Wrapped apart on one rank (a tied embedding and
+  head that ``zbv`` puts on one rank, each wrapped with ``fully_shard``), a tie has several
+  copies there: they are summed on the rank first, in the same sum (``TiedCopies.copies``,
+  ``start_sum``; ``seqpipe.distributed.tie_local`` finds the ties within one rank);
 * **checking**: the copies must be equal at construction (one small all-gather of
   checksums, else ``ValueError`` on every rank naming the tensor), and ``check`` compares
   them again on demand. Copies built on ``meta`` are freshly initialised per rank, so
   they are set to the first holder's values instead.
 
-A tie's all-reduce runs on a process group of the ranks that hold it. Creating a group
-takes every rank of the world, in the same order; that is possible when the pipeline
-spans the world, or when the pipelines and their data-parallel groups tile the world
-(``mesh_groups``), since then every rank is constructing its stage now and can learn
-every pipeline's ranks. Otherwise (a pipeline on a hand-made group of part of the world)
-the sum runs over the whole pipeline group, the ranks without a copy adding zeros:
-correct, at the cost of moving the tensor through the stages that do not use it.
+A tie's all-reduce runs on a process group of the ranks that hold it
+(``seqpipe.distributed.tie_groups``), or, for a pipeline on a hand-made group of part of
+the world, on the whole pipeline group, the ranks without a copy adding zeros: correct, at
+the cost of moving the tensor through the stages that do not use it.
 
 Buffers shared across stages are refused: they are state that layers update in place
 (running statistics), and keeping copies on several ranks in step would take a
@@ -41,19 +41,19 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpipe.distributed.agreement import gather_ints
-from seqpipe.distributed.mesh import _new_group
 from seqpipe.distributed.tensor_parallel import local
+from seqpipe.distributed.tie_groups import tie_groups
 from seqpipe.distributed.tie_layout import full, sum_dtype, write_full
 
-__all__ = ["Tie", "SharedBufferError", "find_ties", "drop_layer", "ties_kept", "TiedCopies",
-           "canonical_names"]
+__all__ = ["Tie", "SharedBufferError", "find_ties", "shared_tensors", "drop_layer", "ties_kept",
+           "TiedCopies", "canonical_names"]
 
 
 class SharedBufferError(ValueError):
@@ -90,6 +90,22 @@ def _tensors(layer: nn.Module, buffers: bool) -> Iterator[Tuple[str, Tensor]]:
     return layer.named_parameters(remove_duplicate=False)
 
 
+def shared_tensors(module: nn.Sequential, owners: Sequence[int], buffers: bool = False
+                   ) -> List[Tuple[Tensor, List[str], List[int]]]:
+    """Every parameter (or buffer) of ``module``'s layers, in state-dict order: the tensor,
+    its names in the model, and the owners that use it (``owners[n]``: layer ``n``'s stage,
+    or rank), each once."""
+    found: Dict[int, Tuple[Tensor, List[str], List[int]]] = {}
+    for n, (layer_name, layer) in enumerate(module._modules.items()):
+        assert layer is not None
+        for name, tensor in _tensors(layer, buffers):
+            _, names, users = found.setdefault(id(tensor), (tensor, [], []))
+            names.append(f"{layer_name}.{name}")
+            if owners[n] not in users:
+                users.append(owners[n])
+    return list(found.values())
+
+
 def find_ties(module: nn.Sequential, balance: Sequence[int]) -> List[Tie]:
     """The parameters that layers of two or more stages share, in state-dict order.
 
@@ -98,16 +114,9 @@ def find_ties(module: nn.Sequential, balance: Sequence[int]) -> List[Tie]:
     """
     stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
     for buffers in (True, False):
-        found: Dict[int, Tuple[Tensor, List[str], List[int]]] = {}
-        for n, (layer_name, layer) in enumerate(module._modules.items()):
-            assert layer is not None
-            for name, tensor in _tensors(layer, buffers):
-                _, names, stages = found.setdefault(id(tensor), (tensor, [], []))
-                names.append(f"{layer_name}.{name}")
-                if stage_of[n] not in stages:
-                    stages.append(stage_of[n])
         ties = [Tie(tuple(names), tuple(stages), tuple(t.shape), t.dtype)
-                for t, names, stages in found.values() if len(stages) > 1]
+                for t, names, stages in shared_tensors(module, stage_of, buffers)
+                if len(stages) > 1]
         if buffers and ties:
             tie = ties[0]
             raise SharedBufferError(
@@ -207,94 +216,138 @@ class TiedCopies:
     """This rank's copies of the pipeline's ties, and the groups their sums run on; checks
     their values (``tie_grads.TieGrads`` sums their gradients).
 
+    ``ties`` are tied across ranks (the same list on every rank); ``local`` lists the
+    parameters that two or more layers of one rank share (``tie_local.one_rank_ties``, every
+    rank's, ``stages`` naming the one rank), which need no collective: they are one tensor
+    until a wrapper (``fully_shard``, ``replicate``, ``parallelize_module``) wraps their
+    layers apart and gives each its own copy, which are then summed on the rank. ``ties``
+    here holds both, the ties across ranks first (``across`` of them).
+
     ``module`` holds this rank's layers under their names in the unpipelined model (the
-    pipe). A copy is read from its layer when asked for (``copies``), so a copy that
-    FSDP2's ``fully_shard`` or ``parallelize_module`` replaced with a ``DTensor`` parameter
-    after construction is the one seen. Collective at construction (it may create process
-    groups) and in every method: every rank of the pipeline calls them together (and, for
-    ``DTensor`` copies, the ranks of their meshes, which run the same step).
+    pipe). A tie's copies are read from its layers when asked for (``copies``): every
+    distinct tensor that the names of the tie held here hold now, so copies that FSDP2's
+    ``fully_shard`` or ``parallelize_module`` made after construction are the ones seen.
+    Collective at construction (it may create process groups) and in every method: every
+    rank of the pipeline calls them together (and, for ``DTensor`` copies, the ranks of
+    their meshes, which run the same step).
     """
 
     def __init__(self, ties: Sequence[Tie], module: nn.Module, stage: int,
                  group: Optional[dist.ProcessGroup],
                  data_parallel_group: Optional[dist.ProcessGroup],
-                 device: torch.device) -> None:
-        self.ties = list(ties)
+                 device: torch.device, local: Sequence[Tie] = ()) -> None:
+        self.across = len(ties)
+        self.ties = [*ties, *local]
         self.stage = stage
         self.group = group
+        self.averaged = data_parallel_group  # where seqpipe's reducer averages (or None)
         self.device = device
         params = dict(module.named_parameters(remove_duplicate=False))
-        self.slots: List[Optional[Tuple[nn.Module, str]]] = []
-        for tie in self.ties:
-            name = next((n for n in tie.names if n in params), None)
-            owner, _, attribute = (name or "").rpartition(".")
-            self.slots.append(None if name is None
-                              else (module.get_submodule(owner), attribute))
-        groups = _tie_groups([t.stages for t in self.ties], group, data_parallel_group, device)
-        # Per tie, the group its sums run on where this rank takes part, else None: the
-        # holders' own group, or (where none could be made) the whole pipeline group.
+        # Per tie, its names this rank holds, and the (owner, attribute) of each.
+        self.names = [[name for name in tie.names if name in params] for tie in self.ties]
+        self.slots: List[List[Tuple[nn.Module, str]]] = [
+            [(module.get_submodule(owner), attribute)
+             for owner, _, attribute in (name.rpartition(".") for name in names)]
+            for names in self.names]
+        groups = (tie_groups([t.stages for t in ties], group, data_parallel_group, device)
+                  if ties else {})
+        # Per tie across ranks, the group its sums run on where this rank takes part, else
+        # None: the holders' own group, or (where none could be made) the whole pipeline
+        # group. A tie on one rank sums without one (None).
         self.pipeline_sums = groups is None
         self.sum_groups: List[Optional[dist.ProcessGroup]] = [
-            group if groups is None else groups.get(t.stages) for t in self.ties]
+            group if groups is None else groups.get(t.stages) for t in ties]
+        self.sum_groups += [None] * len(local)
 
     @property
-    def copies(self) -> List[Optional[nn.Parameter]]:
-        """Per tie, this rank's copy as its layer holds it now (``None``: no copy here)."""
-        return [None if slot is None else slot[0]._parameters[slot[1]]  # type: ignore[misc]
-                for slot in self.slots]
+    def copies(self) -> List[List[nn.Parameter]]:
+        """Per tie, this rank's copies as its layers hold them now: each distinct tensor
+        once, in the order of the tie's names (none: no copy here; one unless a wrapper
+        wrapped the layers that share it apart)."""
+        out = []
+        for slots in self.slots:
+            held: Dict[int, nn.Parameter] = {}
+            for owner, attribute in slots:
+                param = owner._parameters[attribute]
+                assert param is not None
+                held.setdefault(id(param), param)  # type: ignore[arg-type]
+            out.append(list(held.values()))
+        return out
+
+    def uncounted(self) -> Set[int]:
+        """The ids of this rank's copies that a sum over the whole model skips, so that it
+        counts each tie once: all but the first copy on the tie's first rank."""
+        return {id(copy) for tie, copies in zip(self.ties, self.copies)
+                for copy in (copies[1:] if tie.stages[0] == self.stage else copies)}
 
     def whole(self, t: int, layouts: Sequence[int]) -> bool:
-        """Whether tie ``t``'s sum goes by whole tensors (``seqpipe.distributed.tie_layout``):
-        unless every rank of its sum group holds a copy and all are laid out alike.
-        ``layouts``: per rank of the pipeline, its copy's ``tie_layout.layout`` code, -1
-        without a copy."""
+        """Whether tie ``t`` (across ranks)'s sum goes by whole tensors
+        (``seqpipe.distributed.tie_layout``): unless every rank of its sum group holds
+        copies and all are laid out alike. ``layouts``: per rank of the pipeline, its
+        copies' ``tie_layout.layout`` code (``TieGrads`` gives one of its own to a rank
+        whose copies differ), -1 without a copy."""
         members = range(len(layouts)) if self.pipeline_sums else self.ties[t].stages
         return len({layouts[r] for r in members}) > 1
 
-    def start_sum(self, t: int, tensor: Optional[Tensor],
+    def start_sum(self, t: int, tensors: Sequence[Tensor],
                   whole: bool = False) -> Callable[[], None]:
-        """Start summing ``tensor`` (a copy's gradient or value; ``None`` on a rank without a
-        copy, which adds zeros) in place over tie ``t``'s group (``sum_groups[t]``, which
-        must not be ``None``): its local shard, or with ``whole`` the whole tensor (see
-        ``tie_layout``); the returned function waits for it."""
-        if whole or tensor is None:
-            tie = self.ties[t]
+        """Start summing ``tensors`` (this rank's copies' gradients or values; none on a
+        rank without a copy, which adds zeros) over tie ``t``'s group (``sum_groups[t]``,
+        which must not be ``None`` for a tie across ranks) and write the sum into each, in
+        place: by local shards, or with ``whole`` by whole tensors (see ``tie_layout``); a
+        tie on one rank sums its copies here, without a collective. The returned function
+        waits for the sum."""
+        tie = self.ties[t]
+        mine = [] if whole else [local(tensor) for tensor in tensors]
+        if whole or not tensors:
             dtype = sum_dtype(tie.dtype)
-            flat = (torch.zeros(tie.shape, dtype=dtype, device=self.device) if tensor is None
-                    else full(tensor, dtype))
+            parts = [full(tensor, dtype) for tensor in tensors]
         else:
-            mine = local(tensor)
-            flat = mine if mine.is_contiguous() else mine.contiguous()
-        work = dist.all_reduce(flat, group=self.sum_groups[t], async_op=True)
+            parts = [m if m.is_contiguous() else m.contiguous() for m in mine]
+        flat = (torch.zeros(tie.shape, dtype=sum_dtype(tie.dtype), device=self.device)
+                if not parts else parts[0] if len(parts) == 1 else torch.stack(parts).sum(0))
+        work = (dist.all_reduce(flat, group=self.sum_groups[t], async_op=True)
+                if t < self.across else None)
 
         def wait() -> None:
-            work.wait()
-            if tensor is None:
-                return
-            if whole:
-                write_full(tensor, flat)
-            elif flat is not mine:
-                mine.copy_(flat)
+            if work is not None:
+                work.wait()
+            for tensor, part in zip(tensors, mine or tensors):
+                if whole:
+                    write_full(tensor, flat)
+                elif part is not flat:
+                    part.copy_(flat)
         return wait
 
     # -- checking ------------------------------------------------------------------------
-    def _table(self, meta: Sequence[bool]) -> List[List[int]]:
-        """Per stage, per tie: its copy's checksum; -1 without a copy, -2 if built on meta."""
-        mine = [(-2 if m else _checksum(c)) if c is not None else -1
-                for c, m in zip(self.copies, meta)]
+    def _table(self, meta: Sequence[bool], ties: int) -> List[List[int]]:
+        """Per stage, per tie (the first ``ties``): its copies' checksum; -1 without a copy,
+        -2 if built on meta, -3 if this rank's copies differ."""
+        mine = []
+        for copies, on_meta in zip(self.copies[:ties], meta):
+            sums = {-2} if on_meta and copies else {_checksum(c) for c in copies} or {-1}
+            mine.append(sums.pop() if len(sums) == 1 else -3)
         return gather_ints(mine, self.group, self.device)
 
     def verify(self, meta: Optional[Sequence[bool]] = None, *,
                at_construction: bool = False) -> None:
         """Raise on every rank if some tie's copies differ. Copies built on ``meta``
-        (``meta[t]`` on some holder) take the first holder's values instead: fresh
-        initialisations differ from rank to rank."""
-        table = self._table(meta if meta is not None else [False] * len(self.ties))
+        (``meta[t]`` on some holder, for the ties across ranks) take the first holder's
+        values instead: fresh initialisations differ from rank to rank. At construction
+        the ties on one rank are one tensor each, and are not checked."""
+        ties = self.across if at_construction else len(self.ties)
+        if not ties:
+            return
+        meta = [*(meta if meta is not None else []), *[False] * len(self.ties)]
+        table = self._table(meta, ties)
         odd = []
-        for t, tie in enumerate(self.ties):
+        for t, tie in enumerate(self.ties[:ties]):
             sums = {table[s][t] for s in tie.stages}
             if -2 in sums:
                 self._copy_from_first(t)
+            elif -3 in sums:
+                ranks = [s for s in tie.stages if table[s][t] == -3]
+                odd.append(f"{tie.describe()} differs between its copies on rank(s) {ranks}")
             elif len(sums) > 1:
                 odd.append(f"{tie.describe()} differs between stages {list(tie.stages)}")
         if not odd:
@@ -313,54 +366,12 @@ class TiedCopies:
 
     @torch.no_grad()
     def _copy_from_first(self, t: int) -> None:
-        """Give every copy of tie ``t`` its first holder's values (a sum where the others
-        add zeros)."""
-        copy = self.copies[t]
+        """Give every copy of tie ``t`` (across ranks) its first holder's values (a sum
+        where the others add zeros)."""
+        copies = [copy.detach() for copy in self.copies[t]]
         if self.sum_groups[t] is None:
             return
-        if copy is not None and self.stage != self.ties[t].stages[0]:
-            copy.zero_()
-        self.start_sum(t, copy.detach() if copy is not None else None, whole=True)()
-
-
-def _pipelines(group: Optional[dist.ProcessGroup],
-               data_parallel_group: Optional[dist.ProcessGroup],
-               device: torch.device) -> Optional[List[List[int]]]:
-    """Every pipeline's ranks (global, by stage) when every rank of the world is building
-    a stage now, so that groups can be created; else ``None``."""
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    world = dist.get_world_size()
-    if len(ranks) == world:
-        return [ranks]
-    if data_parallel_group is None:
-        return None
-    if len(ranks) * dist.get_world_size(data_parallel_group) != world:
-        return None
-    lines = sorted({tuple(r) for r in gather_ints(ranks, data_parallel_group, device)})
-    covered = sorted(r for line in lines for r in line)
-    if covered != list(range(world)):
-        return None
-    return [list(line) for line in lines]
-
-
-def _tie_groups(stage_sets: Sequence[Tuple[int, ...]], group: Optional[dist.ProcessGroup],
-                data_parallel_group: Optional[dist.ProcessGroup], device: torch.device
-                ) -> Optional[Dict[Tuple[int, ...], dist.ProcessGroup]]:
-    """For each set of stages, the group of this pipeline's ranks at those stages; every
-    pipeline's are created, by every rank in the same order. ``None`` where groups cannot
-    be created (then the pipeline group is used)."""
-    lines = _pipelines(group, data_parallel_group, device)
-    if lines is None:
-        assert group is not None  # a pipeline on the world has its lines
-        return None
-    like = group if group is not None else dist.group.WORLD
-    assert like is not None
-    me = dist.get_rank()
-    mine: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
-    for stages in sorted(set(stage_sets)):
-        for line in lines:
-            members = [line[s] for s in stages]
-            made = _new_group(members, like)
-            if me in members:
-                mine[stages] = made
-    return mine
+        for n, copy in enumerate(copies):
+            if n or self.stage != self.ties[t].stages[0]:
+                copy.zero_()
+        self.start_sum(t, copies, whole=True)()
