@@ -66,6 +66,7 @@ from seqpipe.core.trainable import (
     Trainable,
     ddp_forward_running,
     needs_aliases,
+    shared,
     step_aware,
     trainable,
 )
@@ -212,6 +213,13 @@ class GradSink:
         (its ``inputs=``)."""
         raise NotImplementedError
 
+    _shared: List[Tensor] = []
+
+    def shared_leaves(self) -> List[Tensor]:
+        """What the backward of a parameter that several partitions use accumulates into
+        (the parameter, or its alias), for each such parameter."""
+        return self._shared
+
     def hold(self, whole: bool = False) -> None:
         """Before the call's first backward, where the sums are to be handed to autograd
         (the local engine's autograd Function). ``whole``: that autograd call is a backward
@@ -245,6 +253,7 @@ class AliasSink(GradSink):
             by_alias.update((id(a), p) for p, a in zip(mine, leaves))
             self._modes.append(_Substitute(self._aliases, by_alias, mine, leaves))
             self._leaves.append(leaves)
+        self._shared = [self._aliases[id(p)] for p in shared(self._own)]
 
     def _alias_of(self, param: nn.Parameter) -> Tensor:
         if id(param) not in self._aliases:
@@ -311,6 +320,7 @@ class DirectSink(GradSink):
             ids = [{id(p) for p in mine} for mine in own]
             self._weights = [[*mine, *(p for p in self.params if id(p) not in seen)]
                              for mine, seen in zip(own, ids)]
+        self._shared: List[Tensor] = list(shared(own))
         self._before: Optional[List[Tuple[nn.Parameter, Tensor]]] = None  # see ``hold``
         self._in_place = False  # the sums stay in ``.grad`` (``hold``)
         self._hidden: Optional[Hidden] = None  # hooks registered since the forward

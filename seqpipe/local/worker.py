@@ -29,9 +29,16 @@ from seqpipe.schedule import Action
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
 
-__all__ = ["Mailbox", "Program", "device_context", "run_groups"]
+__all__ = ["Mailbox", "Program", "current_group", "device_context", "run_groups"]
 
 _NOTHING = nullcontext()  # reusable and reentrant: one for every CPU action
+_running = threading.local()  # .group: the index of the group this thread runs, in a call
+
+
+def current_group() -> Optional[int]:
+    """Which group of programs of the running ``run_groups`` call this thread runs (its
+    index in ``groups``); ``None`` on any other thread (an autograd device thread)."""
+    return getattr(_running, "group", None)
 
 
 class _Aborted(Exception):
@@ -172,6 +179,7 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
         lone = lone_actions([group[0].actions for group in groups])
 
     def work(g: int, replay: bool) -> None:
+        _running.group = g
         try:
             with ExitStack() as stack:
                 if state is not None and replay:
@@ -182,6 +190,8 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
         except BaseException as exc:  # noqa: B902 - re-raised on the caller below
             errors.append(exc)
             mailbox.fail()
+        finally:
+            _running.group = None
 
     others = [g for g in range(1, len(groups)) if groups[g]]
     workers = [(f"seqpipe-stage-{groups[g][0].stage}", threading.Event()) for g in others]
