@@ -12,7 +12,8 @@ changed from run to run in the last bits (stage 1's micro-batch 1 before or afte
 gradient accumulator (the node autograd accumulates ``.grad`` with; the parameter's own
 hooks are not touched) takes each contribution before it is accumulated and adds it to a
 running sum of the thread's group, in that thread's program order; ``flush`` then adds the
-groups' sums in group order (stage order) and accumulates the total once. So a tied
+groups' sums in group order (the order of their first stages: stage order with one stage
+per thread) and accumulates the total once. So a tied
 weight's gradient is each stage's sum over its micro-batches, then the stages' sums added
 up: the way the unpipelined model sums each use's gradient over the batch and then adds
 the uses. A contribution from any other thread (an accelerator's autograd thread) is

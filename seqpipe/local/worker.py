@@ -179,7 +179,7 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
         lone = lone_actions([group[0].actions for group in groups])
 
     def work(g: int, replay: bool) -> None:
-        _running.group = g
+        outer, _running.group = current_group(), g  # a pipe's call inside a stage: restored
         try:
             with ExitStack() as stack:
                 if state is not None and replay:
@@ -191,7 +191,7 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
             errors.append(exc)
             mailbox.fail()
         finally:
-            _running.group = None
+            _running.group = outer
 
     others = [g for g in range(1, len(groups)) if groups[g]]
     workers = [(f"seqpipe-stage-{groups[g][0].stage}", threading.Event()) for g in others]
