@@ -147,12 +147,17 @@ _ROWS = {"train_step": torch.tensor([[-1e8, 1e8], [1.0, 0.0], [1.0, 0.0], [1.0, 
          "backward": torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [-1e8, 1e8]])}
 
 
+@pytest.mark.parametrize("hooked", [False, True])  # True: the aliases' path (AliasSink)
 @pytest.mark.parametrize("how", ["train_step", "backward"])
-def test_a_tied_weights_gradient_adds_each_stages_sum_in_stage_order(how: str) -> None:
+def test_a_tied_weights_gradient_adds_each_stages_sum_in_stage_order(how: str,
+                                                                     hooked: bool) -> None:
     weight, rows = nn.Parameter(torch.ones(1)), _ROWS[how]
     _tied(weight)(rows).sum().backward()
     expected = weight.grad.clone()
     assert expected.item() == 0.0
+    seen: List[Tensor] = []
+    if hooked:
+        weight.register_hook(lambda grad: seen.append(grad.clone()))
     for _ in range(3):
         weight.grad = None
         pipe = Pipe(_tied(weight), chunks=4, balance=[1, 1], devices=["cpu", "cpu"],
@@ -162,6 +167,8 @@ def test_a_tied_weights_gradient_adds_each_stages_sum_in_stage_order(how: str) -
         else:
             pipe(rows).sum().backward()
         assert torch.equal(weight.grad, expected), weight.grad
+    if hooked:  # once per step, with the whole gradient
+        assert len(seen) == 3 and all(torch.equal(g, expected) for g in seen), seen
 
 
 def _train(schedule: str, checkpoint: str, steps: int = 3) -> Dict[str, Tensor]:
