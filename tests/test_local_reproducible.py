@@ -176,9 +176,9 @@ def _train(schedule: str, checkpoint: str, steps: int = 3) -> Dict[str, Tensor]:
     under ``interleaved_1f1b``); ``"forward"``: ``pipe(x)`` + ``backward()``."""
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
     stages = 4 if schedule == "interleaved_1f1b" else 2
     balance = [3, 3, 2, 1] if stages == 4 else [4, 5]
     pipe = Pipe(model, chunks=4, checkpoint=checkpoint, balance=balance,
@@ -186,7 +186,8 @@ def _train(schedule: str, checkpoint: str, steps: int = 3) -> Dict[str, Tensor]:
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x, y = torch.randn(16, 3, 8, 8, generator=gen), torch.randint(10, (16,), generator=gen)
+        x = torch.randn(32, 3, 16, 16, generator=gen)
+        y = torch.randint(10, (32,), generator=gen)
         optimizer.zero_grad()
         if schedule == "forward":
             F.cross_entropy(pipe(x), y).backward()
