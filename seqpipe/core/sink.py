@@ -20,7 +20,8 @@ there, both a ``GradSink`` (what the engines and stages hold), chosen per call b
   autograd records the aliases instead of the parameters, so the backward accumulates into
   the aliases' ``.grad`` in place, layer by layer, and no hook of the real parameters
   fires. ``take`` then hands the sums over, once. A parameter used by two partitions (tied
-  weights, a shared module) has one alias, into which both stages accumulate.
+  weights, a shared module) has one alias, into which both stages accumulate (the local
+  engine in a fixed order: ``shared_leaves``, ``seqpipe.local.tie_order``).
 
 Both keep one set of gradients, as the unpipelined model does (asking
 ``torch.autograd.grad`` for each micro-batch's gradients and adding them up would hold a
@@ -216,8 +217,7 @@ class GradSink:
     _shared: List[Tensor] = []
 
     def shared_leaves(self) -> List[Tensor]:
-        """What the backward of a parameter that several partitions use accumulates into
-        (the parameter, or its alias), for each such parameter."""
+        """Where each parameter that several partitions use accumulates (it, or its alias)."""
         return self._shared
 
     def hold(self, whole: bool = False) -> None:
