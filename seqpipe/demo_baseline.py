@@ -133,8 +133,8 @@ class Beside:
         print(f"the pipelined step takes {p / w:.2f}x the unpipelined one: {s / w:.2f}x for "
               f"the micro-batches and recomputation these settings ask for, {p / s:.2f}x "
               f"for the pipeline itself (the pipelined run computes what the unpipelined "
-              f"model computes in the same micro-batches: their losses agree to float "
-              f"rounding)", flush=True)
+              f"model computes in the same micro-batches, up to float rounding that the "
+              f"steps of training amplify: compare their final losses)", flush=True)
         threads = torch.get_num_threads()
         if threads > 1 and all(str(d) == "cpu" for d in devices):
             print(f"(on CPU the {len(devices)} partitions share the cores that the "
