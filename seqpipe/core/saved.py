@@ -10,6 +10,10 @@ no more than 1F1B). There is no public way to free one node's saved tensors, so 
 forward records under a ``saved_tensors_hooks`` pair whose pack puts each saved tensor in a
 holder that only autograd references; after ``I``, ``release`` empties the holders of the
 nodes ``I`` ran that ``W`` does not run, and the tensors die with the last reference.
+A split backward frees in one pass: every holder the forward made (``keep_only``, from a
+weak list, so that a holder autograd dropped is not kept alive here), except those of the
+nodes ``W`` still runs; and after ``W``, the rest (``free_all``). Reading a node's holders
+costs a few µs, so reading the few nodes ``W`` needs beats reading every node ``I`` ran.
 
 The hooks delegate to those the caller installed (a saved-tensor meter, ``save_on_cpu``):
 their pack runs on the tensor and their unpack on what it returned, as without seqpipe.
@@ -27,6 +31,7 @@ modifying a saved tensor in place still raises autograd's error.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -44,15 +49,16 @@ _READABLE = hasattr(torch._C._autograd.SavedTensor, "data")  # packed values rea
 class _Held:
     """One saved tensor (or what the caller's pack hook made of it)."""
 
-    __slots__ = ("value", "unpack", "version", "dtype", "device")
+    __slots__ = ("value", "unpack", "version", "meta", "__weakref__")
 
     def __init__(self, value: Any, unpack: Optional[Callable[[Any], Tensor]],
                  tensor: Tensor) -> None:
         self.value: Optional[Any] = value
         self.unpack = unpack  # the caller's unpack hook, if its pack made ``value``
         self.version = tensor._version
-        self.dtype = tensor.dtype
-        self.device = tensor.device
+        # Only a torch without ``SavedTensor.data`` probes (``_holders``) with an empty tensor
+        # of the saved one's kind; reading ``device`` costs ~1 µs a saved tensor.
+        self.meta = None if _READABLE else (tensor.dtype, tensor.device)
 
 
 def _raw_names(node: Node) -> Tuple[str, ...]:
@@ -63,15 +69,6 @@ def _raw_names(node: Node) -> Tuple[str, ...]:
     if names is None:
         names = _RAW[kind] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
     return names
-
-
-def _packed(node: Node) -> Iterator[Any]:
-    """What the pack hooks returned for each tensor ``node`` saved, read without unpacking."""
-    for name in _raw_names(node):
-        raw = getattr(node, name)
-        for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
-            if saved is not None:
-                yield saved.data
 
 
 def _saved_names(node: Node) -> Tuple[str, ...]:
@@ -93,6 +90,7 @@ class SavedTensors:
     def __init__(self) -> None:
         self._outer: Optional[Tuple[Any, Any]] = None
         self._probe: Optional[List[_Held]] = None
+        self._made: List[weakref.ref] = []  # every holder made, while autograd keeps it
 
     def recording(self) -> ContextManager[None]:
         """Around the forward (and a loss computed on its output): hold what it saves.
@@ -109,15 +107,19 @@ class SavedTensors:
 
     def _pack(self, tensor: Tensor) -> _Held:
         if self._outer is not None:
-            return _Held(self._outer[0](tensor), self._outer[1], tensor)
-        # Detached: an output saved with its grad_fn would be a cycle through the node
-        # that saves it (autograd gives the unpacked tensor its grad_fn back).
-        return _Held(tensor.detach(), None, tensor)
+            held = _Held(self._outer[0](tensor), self._outer[1], tensor)
+        else:
+            # Detached: an output saved with its grad_fn would be a cycle through the node
+            # that saves it (autograd gives the unpacked tensor its grad_fn back).
+            held = _Held(tensor.detach(), None, tensor)
+        self._made.append(weakref.ref(held))
+        return held
 
     def _unpack(self, held: _Held) -> Tensor:
         if self._probe is not None:
             self._probe.append(held)
-            return torch.empty(0, dtype=held.dtype, device=held.device)
+            dtype, device = held.meta  # type: ignore[misc]
+            return torch.empty(0, dtype=dtype, device=device)
         if held.value is None:
             raise RuntimeError(
                 "seqpipe freed this saved tensor after the input-gradient pass (I) of a "
@@ -136,7 +138,15 @@ class SavedTensors:
     def _holders(self, nodes: Iterable[Node]) -> Dict[int, _Held]:
         """The holders that ``nodes`` own, by id, read without unpacking them."""
         if _READABLE:
-            return {id(p): p for node in nodes for p in _packed(node) if isinstance(p, _Held)}
+            found: Dict[int, _Held] = {}
+            for node in nodes:
+                names = _RAW.get(type(node))
+                for name in _raw_names(node) if names is None else names:
+                    raw = getattr(node, name)
+                    for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+                        if saved is not None and isinstance(held := saved.data, _Held):
+                            found[id(held)] = held
+            return found
         probe: List[_Held] = []
         self._probe = probe
         try:
@@ -152,12 +162,25 @@ class SavedTensors:
         needed = self._holders(kept)
         self.free(held for key, held in self._holders(ran).items() if key not in needed)
 
-    def holders_of(self, node: Node) -> List[_Held]:
-        """What ``node`` saved, to ``free`` once it has run for the last time (a node that
-        a split backward's ``W`` calls itself: autograd frees only what the nodes its
-        engine runs saved). Each saved tensor has a holder of its own, so no other node
-        reads these."""
-        return list(self._holders((node,)).values())
+    def keep_only(self, kept: Iterable[Node]) -> None:
+        """Free every tensor recorded here but those the nodes ``kept`` saved (after a split
+        backward's ``I``: the nodes its ``W`` runs). Each saved tensor has a holder of its
+        own, so no other node reads those kept."""
+        needed = self._holders(kept)
+        for ref in self._made:
+            held = ref()
+            if held is not None and id(held) not in needed:
+                held.value = None
+        self._made = [weakref.ref(h) for h in needed.values()]
+
+    def free_all(self) -> None:
+        """Free every tensor still recorded here (after ``W``: the graph may outlive it, in
+        the roots a task state keeps, but nothing runs it again)."""
+        for ref in self._made:
+            held = ref()
+            if held is not None:
+                held.value = None
+        self._made = []
 
     @staticmethod
     def free(holders: Iterable[_Held]) -> None:
