@@ -10,10 +10,10 @@ no more than 1F1B). There is no public way to free one node's saved tensors, so 
 forward records under a ``saved_tensors_hooks`` pair whose pack puts each saved tensor in a
 holder that only autograd references; after ``I``, ``release`` empties the holders of the
 nodes ``I`` ran that ``W`` does not run, and the tensors die with the last reference.
-A split backward frees in one pass: every holder the forward made (``keep_only``, from a
-weak list, so that a holder autograd dropped is not kept alive here), except those of the
-nodes ``W`` still runs; and after ``W``, the rest (``free_all``). Reading a node's holders
-costs a few µs, so reading the few nodes ``W`` needs beats reading every node ``I`` ran.
+What the nodes ``W`` calls itself saved is freed after ``W`` (``keep`` then ``free_all``;
+the engine frees what the nodes it runs saved). A holder no node owns directly (the
+inputs a layer's own ``torch.utils.checkpoint`` saves for its recomputation, which ``I``
+and ``W`` each read) is never freed early: it dies with the graph.
 
 The hooks delegate to those the caller installed (a saved-tensor meter, ``save_on_cpu``):
 their pack runs on the tensor and their unpack on what it returned, as without seqpipe.
@@ -31,7 +31,6 @@ modifying a saved tensor in place still raises autograd's error.
 """
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -49,7 +48,7 @@ _READABLE = hasattr(torch._C._autograd.SavedTensor, "data")  # packed values rea
 class _Held:
     """One saved tensor (or what the caller's pack hook made of it)."""
 
-    __slots__ = ("value", "unpack", "version", "meta", "__weakref__")
+    __slots__ = ("value", "unpack", "version", "meta")
 
     def __init__(self, value: Any, unpack: Optional[Callable[[Any], Tensor]],
                  tensor: Tensor) -> None:
@@ -90,7 +89,7 @@ class SavedTensors:
     def __init__(self) -> None:
         self._outer: Optional[Tuple[Any, Any]] = None
         self._probe: Optional[List[_Held]] = None
-        self._made: List[weakref.ref] = []  # every holder made, while autograd keeps it
+        self._kept: List[_Held] = []  # what the nodes ``W`` calls saved (``keep``)
 
     def recording(self) -> ContextManager[None]:
         """Around the forward (and a loss computed on its output): hold what it saves.
@@ -112,7 +111,6 @@ class SavedTensors:
             # Detached: an output saved with its grad_fn would be a cycle through the node
             # that saves it (autograd gives the unpacked tensor its grad_fn back).
             held = _Held(tensor.detach(), None, tensor)
-        self._made.append(weakref.ref(held))
         return held
 
     def _unpack(self, held: _Held) -> Tensor:
@@ -160,27 +158,20 @@ class SavedTensors:
     def release(self, ran: Iterable[Node], kept: Iterable[Node]) -> None:
         """Free what the nodes ``ran`` saved, except what the nodes ``kept`` still need."""
         needed = self._holders(kept)
-        self.free(held for key, held in self._holders(ran).items() if key not in needed)
-
-    def keep_only(self, kept: Iterable[Node]) -> None:
-        """Free every tensor recorded here but those the nodes ``kept`` saved (after a split
-        backward's ``I``: the nodes its ``W`` runs). Each saved tensor has a holder of its
-        own, so no other node reads those kept."""
-        needed = self._holders(kept)
-        for ref in self._made:
-            held = ref()
-            if held is not None and id(held) not in needed:
+        for key, held in self._holders(ran).items():
+            if key not in needed:
                 held.value = None
-        self._made = [weakref.ref(h) for h in needed.values()]
+
+    def keep(self, nodes: Iterable[Node]) -> None:
+        """Note what ``nodes`` saved, for ``free_all`` (the nodes a split backward's ``W``
+        calls itself: autograd frees only what the nodes its engine runs saved)."""
+        self._kept = list(self._holders(nodes).values())
 
     def free_all(self) -> None:
-        """Free every tensor still recorded here (after ``W``: the graph may outlive it, in
-        the roots a task state keeps, but nothing runs it again)."""
-        for ref in self._made:
-            held = ref()
-            if held is not None:
-                held.value = None
-        self._made = []
+        """After ``W``: free what ``keep`` noted (the graph may outlive ``W``, in the roots a
+        task state keeps, but nothing runs these nodes again)."""
+        kept, self._kept = self._kept, []
+        self.free(kept)
 
     @staticmethod
     def free(holders: Iterable[_Held]) -> None:

@@ -25,8 +25,8 @@ gradient.
 What a split costs beyond one backward is mostly per *call into autograd's engine* (a
 graph task, two walks over every node reachable from its roots) and Python. So:
 
-* ``I`` walks the graph once in Python (``_survey``: the path, every node's edges, shared
-  nodes) and calls the engine once;
+* ``I`` walks the graph once in Python (``_survey``: the path, the boundary nodes and the
+  leaves behind each of their edges off it, shared nodes) and calls the engine once;
 * ``W`` makes one engine call, ``_WithinTask``, whose only targets are the boundary nodes'
   edges off ``P``. Inside it each boundary node is *called* (``node(*grads)``): a node
   computes only the outputs whose next node the current graph task needs, so it computes
@@ -35,9 +35,12 @@ graph task, two walks over every node reachable from its roots) and Python. So:
   parameters behind them, one boundary node at a time, from inside that call: each such
   engine call walks the few nodes of one weight path, not the whole graph below the
   boundary node as a call rooted at the node would (a transformer stage: 26 boundary
-  nodes, ~2,500 node visits per ``W`` instead of ~100). One call for all of ``W`` is not
+  nodes, ~2,500 node visits per ``W`` instead of ~100); where every leaf behind a called
+  node's edges is wanted, without ``inputs=``. One call for all of ``W`` is not
   exact: a boundary node upstream reaches a later one's parameters through ``P``, so
-  autograd would run ``P`` again and count the later node's gradient twice.
+  autograd would run ``P`` again and count the later node's gradient twice. (One call for
+  all the weight paths is exact, and saves ~7 µs an engine call, but the engine then
+  accumulates every bias before any weight: the per-layer order below would be lost.)
   A boundary node that is a custom ``autograd.Function``, any under anomaly detection, and
   every one of a stage whose backward must run hooks on its outputs in ``W`` too
   (``weight(call=False)``: FSDP2's pre-backward hook queues, per backward, the move of the
@@ -50,9 +53,9 @@ graph task, two walks over every node reachable from its roots) and Python. So:
 
 Right after ``I``, what only ``P`` needed is freed (``seqpipe.core.saved``): the saved tensors of
 the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
-the roots' gradients; only the weight path's saved tensors and the kept gradients wait for
-``W``, so a micro-batch between its ``I`` and its ``W`` holds no more than its schedule
-counts on.
+the roots' gradients; only the weight path's saved tensors and
+the kept gradients wait for ``W``, so a micro-batch between its ``I`` and its ``W`` holds
+no more than its schedule counts on. After ``W`` the boundary nodes' are freed too.
 """
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ class _Graph:
     # leaves at or below the next node).
     boundary: List[Tuple[Node, List[Tuple[int, Node, int, List[Tensor]]]]]
     on: Set[Node]  # the input path: the nodes from which the input node is reached
+    only: List[Node]  # the nodes of the path without edges off it, and the input node
     behind: Dict[Node, List[Tensor]]  # every node off the path: the leaves at or below it
     shared: bool  # a node off the path has several parents
 
@@ -99,6 +103,7 @@ def _survey(roots: Sequence[Node], target: Node) -> _Graph:
     on: Set[Node] = set()
     behind: Dict[Node, List[Tensor]] = {}
     boundary: List[Tuple[Node, List[Tuple[int, Node, int, List[Tensor]]]]] = []
+    only: List[Node] = []
     once: Set[Node] = set()  # nodes off the path with a parent (an edge into them) seen
     shared = False
     stack = list(roots)
@@ -129,6 +134,8 @@ def _survey(roots: Sequence[Node], target: Node) -> _Graph:
             on.add(node)
             if off and node is not target:
                 boundary.append((node, [(k, c, nr, behind[c]) for k, c, nr in off]))
+            else:
+                only.append(node)
         elif type(node) is _ACCUMULATE:
             behind[node] = [node.variable]
         else:
@@ -136,7 +143,7 @@ def _survey(roots: Sequence[Node], target: Node) -> _Graph:
             for _, child, _ in off:
                 leaves += behind[child]
             behind[node] = leaves
-    return _Graph(boundary, on, behind, shared)
+    return _Graph(boundary, on, only, behind, shared)
 
 
 def reachable(edges: Sequence[GradientEdge]) -> List[Node]:
@@ -255,12 +262,13 @@ class _Boundary:
                       nested=nested)
             return
         out = self.node(*incoming)  # the outputs the current graph task needs only
-        grads = [out[k] for k in ks]
-        if any(g is None for g in grads):
-            edges = [e for e, g in zip(edges, grads) if g is not None]
-            grads = [g for g in grads if g is not None]
+        roots, grads = [], []
+        for k, edge in zip(ks, edges):
+            if out[k] is not None:
+                roots.append(edge)
+                grads.append(out[k])
         if grads:
-            _backprop(edges, grads, inputs, nested=nested)
+            _backprop(roots, grads, inputs, nested=nested)
 
 
 @dataclass
@@ -303,11 +311,12 @@ class SplitBackward:
             for handle in handles:
                 handle.remove()
         # W starts from the kept gradients: drop the roots, their gradients, and what only
-        # the input path saved (a ReLU's output, the loss's input): all but what the
-        # boundary nodes and the weight paths below them saved, freed once W has run.
+        # the input path saved (a ReLU's output, the loss's input). What the boundary
+        # nodes saved is freed once W has called them; the weight path frees itself.
         self.roots, self.grads = [], []
         if self.saved is not None:
-            self.saved.keep_only([*(b.node for b in self.boundary), *behind])
+            self.saved.release(graph.only, ())
+            self.saved.keep([b.node for b in self.boundary])
 
     def _input_only(self) -> None:
         _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
@@ -369,14 +378,18 @@ class SplitBackward:
         for b in boundary:
             if b.incoming is None:
                 continue
-            ks, edges, leaves, every = [], [], [], True
-            for k, edge, behind in b.off:
-                wanted = [t for t in behind if id(t) in order]
-                if wanted:
+            ks, edges, leaves, every, last = [], [], [], True, -1
+            for k, edge, behind in b.off:  # (loops, not comprehensions: no call each)
+                first = len(leaves)
+                for leaf in behind:
+                    at = order.get(id(leaf))
+                    if at is not None:
+                        leaves.append(leaf)
+                        last = at if at > last else last
+                if len(leaves) > first:
                     ks.append(k)
                     edges.append(edge)
-                    leaves += wanted
-                    every = every and len(wanted) == len(behind)
+                    every = every and len(leaves) - first == len(behind)
             if not ks:
                 continue
             here = direct and not isinstance(b.node, torch._C._FunctionBase)
@@ -384,8 +397,7 @@ class SplitBackward:
                 called += edges
             # Called here, the node's outputs are the roots: when every leaf behind them is
             # wanted, the engine needs no ``inputs=`` (nor the walk that marks them).
-            runs.append((max(order[id(t)] for t in leaves), b, ks, edges,
-                         () if here and every else targets(leaves), here))
+            runs.append((last, b, ks, edges, () if here and every else targets(leaves), here))
         runs.sort(key=lambda run: -run[0])
         nested = bool(called)
 
