@@ -25,8 +25,9 @@ gradient.
 What a split costs beyond one backward is mostly per *call into autograd's engine* (a
 graph task, two walks over every node reachable from its roots) and Python. So:
 
-* ``I`` walks the graph once in Python (``_survey``: the path, the boundary nodes and the
-  leaves behind each of their edges off it, shared nodes) and calls the engine once;
+* ``I`` walks the graph once in Python (``seqpipe.core.split_walk``: the path, the
+  boundary nodes and the leaves behind each of their edges off it, shared nodes) and
+  calls the engine once;
 * ``W`` makes one engine call, ``_WithinTask``, whose only targets are the boundary nodes'
   edges off ``P``. Inside it each boundary node is *called* (``node(*grads)``): a node
   computes only the outputs whose next node the current graph task needs, so it computes
@@ -70,80 +71,11 @@ from torch.autograd.variable import Variable
 from torch.overrides import has_torch_function
 
 from seqpipe.core.saved import SavedTensors
+from seqpipe.core.split_walk import ACCUMULATE, survey
 
 __all__ = ["SplitBackward", "autograd_inputs", "reachable"]
 
 Node = Any  # torch.autograd.graph.Node
-Edges = Tuple[Tuple[Optional[Node], int], ...]  # a node's ``next_functions``
-
-
-@dataclass
-class _Graph:
-    """What one walk over a micro-batch's graph finds."""
-
-    # The nodes of the input path with edges off it, in the walk's order (the same on
-    # every replica), each with those edges: (index, next node, its input number, the
-    # leaves at or below the next node).
-    boundary: List[Tuple[Node, List[Tuple[int, Node, int, List[Tensor]]]]]
-    on: Set[Node]  # the input path: the nodes from which the input node is reached
-    only: List[Node]  # the nodes of the path without edges off it, and the input node
-    behind: Dict[Node, List[Tensor]]  # every node off the path: the leaves at or below it
-    shared: bool  # a node off the path has several parents
-
-
-def _survey(roots: Sequence[Node], target: Node) -> _Graph:
-    """Walk the graph below ``roots`` once, reading each node's edges once (iteratively:
-    a deep model's graph would overflow Python's recursion). A node is done once its
-    children are (a DAG, walked depth first: it is met again on the stack after them). It
-    is on the input path if it is ``target`` or one of its children is; off it, it gathers
-    the leaves at or below it from its children, so what each weight path accumulates into
-    is known without walking it again. (~1.5 µs a node, most of it Python: one pass, few
-    objects made.)"""
-    edges: Dict[Node, Edges] = {}
-    on: Set[Node] = set()
-    behind: Dict[Node, List[Tensor]] = {}
-    boundary: List[Tuple[Node, List[Tuple[int, Node, int, List[Tensor]]]]] = []
-    only: List[Node] = []
-    once: Set[Node] = set()  # nodes off the path with a parent (an edge into them) seen
-    shared = False
-    stack = list(roots)
-    while stack:
-        node = stack[-1]
-        nexts = edges.get(node)
-        if nexts is None:  # first met: its children go above it on the stack
-            nexts = edges[node] = node.next_functions
-            for child, _ in nexts:
-                if child is not None and child not in edges:
-                    stack.append(child)
-            continue
-        stack.pop()  # met again: its children are done (or it was, if pushed twice)
-        if node in on or node in behind:
-            continue
-        reach = node is target
-        off = []
-        for k, (child, nr) in enumerate(nexts):
-            if child is None:
-                continue
-            if child in on:
-                reach = True
-            else:
-                off.append((k, child, nr))
-                shared = shared or child in once
-                once.add(child)
-        if reach:
-            on.add(node)
-            if off and node is not target:
-                boundary.append((node, [(k, c, nr, behind[c]) for k, c, nr in off]))
-            else:
-                only.append(node)
-        elif type(node) is _ACCUMULATE:
-            behind[node] = [node.variable]
-        else:
-            leaves: List[Tensor] = []
-            for _, child, _ in off:
-                leaves += behind[child]
-            behind[node] = leaves
-    return _Graph(boundary, on, only, behind, shared)
 
 
 def reachable(edges: Sequence[GradientEdge]) -> List[Node]:
@@ -157,10 +89,6 @@ def reachable(edges: Sequence[GradientEdge]) -> List[Node]:
         seen[node] = None
         stack.extend(c for c, _ in node.next_functions if c is not None)
     return list(seen)
-
-
-with torch.inference_mode(False):  # the class of a leaf's gradient accumulator
-    _ACCUMULATE = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
 
 
 def _with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
@@ -180,7 +108,7 @@ def _with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
         if node in seen:
             continue
         seen.add(node)
-        if type(node) is _ACCUMULATE:
+        if type(node) is ACCUMULATE:
             if id(node.variable) not in known:
                 outside.append(node.variable)
             continue
@@ -289,7 +217,7 @@ class SplitBackward:
         """Backpropagate to the stage input only, keeping what ``weight`` needs."""
         if self.wrt_input is None or self.input_node is None or not self.roots:
             return
-        graph = _survey([r.node for r in self.roots], self.input_node)
+        graph = survey([r.node for r in self.roots], self.input_node)
         # A node off the path with several parents (a parameter used twice, say) could be
         # reached from one boundary node through another, which would then run part of
         # the input path again. Rare; then W runs the whole backward again into the
