@@ -106,12 +106,10 @@ class SavedTensors:
 
     def _pack(self, tensor: Tensor) -> _Held:
         if self._outer is not None:
-            held = _Held(self._outer[0](tensor), self._outer[1], tensor)
-        else:
-            # Detached: an output saved with its grad_fn would be a cycle through the node
-            # that saves it (autograd gives the unpacked tensor its grad_fn back).
-            held = _Held(tensor.detach(), None, tensor)
-        return held
+            return _Held(self._outer[0](tensor), self._outer[1], tensor)
+        # Detached: an output saved with its grad_fn would be a cycle through the node
+        # that saves it (autograd gives the unpacked tensor its grad_fn back).
+        return _Held(tensor.detach(), None, tensor)
 
     def _unpack(self, held: _Held) -> Tensor:
         if self._probe is not None:

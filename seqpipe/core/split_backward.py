@@ -54,9 +54,9 @@ graph task, two walks over every node reachable from its roots) and Python. So:
 
 Right after ``I``, what only ``P`` needed is freed (``seqpipe.core.saved``): the saved tensors of
 the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
-the roots' gradients; only the weight path's saved tensors and
-the kept gradients wait for ``W``, so a micro-batch between its ``I`` and its ``W`` holds
-no more than its schedule counts on. After ``W`` the boundary nodes' are freed too.
+the roots' gradients; only the weight path's saved tensors and the kept gradients wait for
+``W``, so a micro-batch between its ``I`` and its ``W`` holds no more than its schedule
+counts on. What the boundary nodes saved is freed when ``W`` ends.
 """
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ class SplitBackward:
         ``wrt`` first (see the module's docstring for how each runs). ``call=False``:
         the engine runs every boundary node again, so that hooks on their outputs run
         in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
-        What the forward saved is freed at the end (``SavedTensors.free_all``).
+        What the boundary nodes saved is freed at the end (``SavedTensors.free_all``).
         ``plain``: the step's backward is over the whole graph (``GradSink.plain``), so
         every leaf behind the weight path gets its gradient, not only ``wrt``'s (after
         them): a tensor outside the pipe that a layer or ``loss_fn`` holds. A stage without
