@@ -211,11 +211,12 @@ def _python_calls(run: Any) -> int:
     def count(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             calls[0] += 1
+    previous = sys.getprofile()
     sys.setprofile(count)
     try:
         run()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     return calls[0]
 
 
