@@ -10,9 +10,11 @@ Each stage's layers are framed by two ``Mark`` layers (an identity whose forward
 record ``time.perf_counter``, one clock for both processes): the compute of an ``F`` runs
 from the first mark's forward to the last one's, that of a ``B`` (or ``I``) from the last
 mark's backward to the first one's (which reports the input's gradient). Both runtimes run
-the same marked model. ``hop_split.install()`` records every ``isend``/``irecv``, when it
-was issued and when its first ``wait`` began and returned; the n-th data message (≥
-``--min-bytes``) from one rank to the other meets the n-th such receive.
+the same marked model. ``install`` records every point-to-point operation at the process
+group (``ProcessGroup.send``/``recv``, which ``dist.isend``/``irecv`` call, so whatever
+calls the group directly is recorded too), when it was issued and when its first ``wait``
+began and returned (``hop_split``'s rows); the n-th data message (≥ ``--min-bytes``) from
+one rank to the other meets the n-th such receive.
 
 A hop is **on the path** when the receiver's previous compute ended before the sender's
 did, so the receiver could only start once the message was there. It splits into
@@ -84,6 +86,23 @@ def marked_model(width: int, depth: int) -> nn.Sequential:
                          Mark(True), *layers[half:], Mark(False))
 
 
+def install() -> None:
+    """Record every ``send``/``recv`` of this process's process groups in ``hop_split.LOG``
+    (the peer as its rank in the group: the world rank on these 2-rank groups)."""
+    group_class = dist.ProcessGroup
+    for kind, name in (("send", "send"), ("recv", "recv")):
+        op = getattr(group_class, name)
+
+        def timed(group: Any, tensors: List[Tensor], peer: int, tag: int = 0, *,
+                  _op: Any = op, _kind: str = kind) -> Any:
+            row = [_kind, peer, sum(t.numel() * t.element_size() for t in tensors),
+                   time.perf_counter(), None, None]
+            work = _op(group, tensors, peer, tag)
+            hop_split.LOG.append(row)
+            return hop_split._TimedWork(work, row)
+        setattr(group_class, name, timed)
+
+
 def _spans(events: List[Event]) -> List[Tuple[float, float]]:
     """The computations (start, end) of one rank, in order; ``B`` without an end (stage 0's
     input needs no gradient) ends at the next computation's start or, last, at its own."""
@@ -132,7 +151,7 @@ def split_hops(logs: List[List[hop_split.Row]], events: List[List[Event]],
 def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     pin_malloc()
     _init(rank, port)
-    hop_split.install()
+    install()
     try:
         variants = Variants(marked_model(args.width, args.depth), rank, args.chunks,
                             args.micro_batch, args.width, only=VARIANTS)

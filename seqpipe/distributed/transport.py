@@ -14,13 +14,12 @@ in the previous call, before the peer sends it, so the data is written straight 
 rank first waits or ends an action (``post_due``: at the opening they cost stage 0 ~0.1 ms
 each before its first forward); each later one is posted as soon as the message before it
 arrived, so its data flows while this rank computes (posting only when the rank waits cost
-a 2-rank MLP 6-8 %); ``DONE``, sent only after this rank's last message, is posted when
-needed, off the path of the last actions. The sender keeps the same record, so it knows what
-the receiver posted: when the shapes differ it fills that receive, with a header that says
-so, and sends the real payload after it (one extra round trip; which size is posted, and
-when a changing shape stops being trusted: ``shapes``). A failure notice fills what the peer
-posted the same way. A header repeating the same planned message's last one is not decoded
-again (``recycle.Headers``).
+a 2-rank MLP 6-8 %). The sender keeps the same record, so it knows what the receiver posted:
+when the shapes differ it fills that receive, with a header that says so, and sends the
+real payload after it (one extra round trip; which size is posted, and when a changing
+shape stops being trusted: ``seqpipe.distributed.shapes``). A failure notice fills what the
+peer posted the same way. A header that repeats the same planned message's last one is not
+decoded again (``seqpipe.distributed.recycle.Headers``).
 
 **Headers stay on the host side.** On a GPU a header is built in pinned memory and copied
 into the message buffer without blocking, and a received header is read back through a
@@ -54,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpipe.distributed import inflight, p2p
+from seqpipe.distributed import inflight
 from seqpipe.distributed.communicators import open_pairs
 from seqpipe.distributed.recycle import Headers, Spares
 from seqpipe.distributed.shapes import SeenShapes
@@ -189,12 +188,14 @@ class Transport:
         return self.group if src < dst else self.reverse
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
-        work = _started(p2p.isend(buffer, self.group_between(self.index, stage), stage))
+        work = _started(dist.isend(buffer, dst=self.global_rank(stage),
+                                   group=self.group_between(self.index, stage)))
         self.sent_bytes += buffer.numel() * buffer.element_size()
         self._pending[stage].append((taken_at, work, buffer, self._spares.ours(buffer)))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
-        return _started(p2p.irecv(buffer, self.group_between(stage, self.index), stage))
+        return _started(dist.irecv(buffer, src=self.global_rank(stage),
+                                   group=self.group_between(stage, self.index)))
 
     def _wait(self, work: dist.Work) -> None:
         work.wait() if self.timeout is None else work.wait(self.timeout)
@@ -289,8 +290,8 @@ class Transport:
         if planned is not None:
             self._seen_in.saw(stage, planned, spec)
             self._release(stage, planned.sent_at)
-        if self.ahead and self._incoming[stage] and self._incoming[stage][0].kind is not Kind.DONE:
-            self._post(stage)  # now: its data flows while this rank computes
+        if self.ahead and self._incoming[stage]:
+            self._post(stage)  # now: its data can flow while this rank computes
         tensors = tuple(None if s is None else payload.pop(0) for s in specs)
         return Message(header.kind, header.microbatch, header.key, tensors, header.flags,
                        header.count, header.atomic, header.origin, header.values)
