@@ -5,10 +5,12 @@ transport should call the group directly for its message buffers (docs/benchmark
 "Session 12: cpu2").
 
 Two processes on loopback, gloo, one thread each. Each round, one message of ``--bytes``
-(default 130 KiB: the MLP's activation with its header) goes from rank 0 to rank 1, after
-a 1024² matmul on both (caches cold, as after a layer), in one of four orders: the receive
-posted before the send or after it, times the two forms; the orders alternate round by
-round. ``time.thread_time`` around the call (the call only, not the wait); medians in µs.
+(default 130 KiB: the MLP's activation with its header) goes from rank 0 to rank 1, each
+call right after a 1024² matmul (caches cold, as after a layer), in one of four orders: the
+receive posted before the send or after it (the second operation meets the first: a send
+after the receive writes the payload itself), times the two forms; the orders alternate
+round by round. ``time.thread_time`` around the call (the call only, not the wait); medians
+in µs.
 
 Run: ``PYTHONPATH=. python benchmarks/p2p_calls.py`` (~20 s).
 """
@@ -47,10 +49,10 @@ def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
             form, first = orders[r % len(orders)]
             op = "send" if rank == 0 else "recv"
             dist.barrier()
-            a @ b
             if (op == "recv") != (first == "recv first"):  # the other rank goes first
                 dist.barrier()
                 time.sleep(0.001)  # its operation is issued by now
+            a @ b  # right before the call, whichever goes first
             c = time.thread_time()
             work = _call(form, op, buffer, 1 - rank)
             spent = time.thread_time() - c
