@@ -36,7 +36,6 @@ Run: ``PYTHONPATH=. python benchmarks/dist_hops.py`` (``--help`` for sizes; ~30 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -45,7 +44,7 @@ import hop_split
 import torch
 import torch.distributed as dist
 from _common import load_average, make_model, pin_malloc
-from dist_vs_torch_pipelining import SEQ, TORCH, Variants, _init, machine_line, spawn
+from dist_vs_torch_pipelining import SEQ, TORCH, Variants, _init, _med, machine_line, spawn
 from torch import Tensor, nn
 
 VARIANTS = (SEQ[1], TORCH[1])  # seqpipe 1f1b, torch 1F1B
@@ -182,10 +181,6 @@ def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def report(result: Dict[str, Any], args: argparse.Namespace) -> List[str]:
