@@ -43,7 +43,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import hop_split
 import torch
 import torch.distributed as dist
-from _common import load_average, make_model, pin_malloc
+from _common import make_model, pin_malloc
+from dist_breakdown import mlp_arguments
 from dist_vs_torch_pipelining import SEQ, TORCH, Variants, _init, _med, machine_line, spawn
 from torch import Tensor, nn
 
@@ -200,19 +201,14 @@ def report(result: Dict[str, Any], args: argparse.Namespace) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step (M)")
-    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (each variant)")
-    parser.add_argument("--warmup", type=int, default=3)
+    mlp_arguments(parser, rounds=20)
     parser.add_argument("--min-bytes", type=int, default=64 << 10,
                         help="messages at least this large are data (the rest: control)")
     args = parser.parse_args(argv)
     print(f"# {machine_line()} (at start)", file=sys.stderr, flush=True)
     result = next(r for kind, _, r in spawn(bench_rank, args) if kind == "hops")
     print(f"Command: python {' '.join(sys.argv)}")
-    print(f"Machine: {machine_line()} (at end); load average {load_average()}")
+    print(f"Machine: {machine_line()} (at end)")
     print(f"Model: {args.depth} × (Linear({args.width}) + ReLU), 2 stages, each framed by two "
           f"marks; micro-batch {args.micro_batch}; M={args.chunks}; {args.rounds} rounds; "
           f"medians")
