@@ -1,10 +1,11 @@
 """Hop latency on the 2-rank MLP: a sender's compute end to the receiver's compute start.
 
-At K = 2, 1F1B's steady state puts a hop on the critical path at nearly every action: rank 1
-waits for each activation, rank 0 for each gradient. What costs there is a hop's *latency*,
-not the CPU it takes. This benchmark measures it for seqpipe's ``DistributedPipe`` and torch
-pipelining's ``Schedule1F1B`` alternately in one run, on ``dist_vs_torch_pipelining.py``'s
-model (``--depth`` × (Linear(``--width``) + ReLU), two stages, micro-batch 32, M = 8, MSE).
+At K = 2, 1F1B's steady state can put a hop on the critical path at every action (rank 1
+waiting for each activation, rank 0 for each gradient); where it does, what costs is a hop's
+*latency*, not the CPU it takes. This benchmark measures which hops a rank waits for whole,
+and their latency, for seqpipe's ``DistributedPipe`` and torch pipelining's ``Schedule1F1B``
+alternately in one run, on ``dist_vs_torch_pipelining.py``'s model (``--depth`` ×
+(Linear(``--width``) + ReLU), two stages, micro-batch 32, M = 8, MSE).
 
 Each stage's layers are framed by two ``Mark`` layers (an identity whose forward and backward
 record ``time.perf_counter``, one clock for both processes): the compute of an ``F`` runs
@@ -17,7 +18,8 @@ began and returned (``hop_split``'s rows); the n-th data message (≥ ``--min-by
 one rank to the other meets the n-th such receive.
 
 A hop is **on the path** when the receiver's previous compute ended before the sender's
-did, so the receiver could only start once the message was there. It splits into
+did, so the receiver waited for all of it (a receiver that ends its previous compute during
+the hop waits for its end only: not counted here). It splits into
 
 * ``build``: the sender's compute end → its ``isend`` issued (the rest of the backward
   autograd runs after the input's gradient, the runtime's bookkeeping, packing);
