@@ -39,11 +39,12 @@ import sys
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from seqpipe.core.caller_grads import TargetLeaves
 from seqpipe.core.microbatch import Batch, Input
 
 __all__ = ["CountFn", "IGNORED_LABEL", "LossWeights", "Replicas", "loss_weights"]
@@ -80,10 +81,17 @@ class LossWeights:
     targets: List[Any]
     weights: List[float]
     reported: float = 1.0
+    leaves: Optional[TargetLeaves] = None  # what the target's tensors that want a gradient
+    # accumulate into (``seqpipe.core.caller_grads``)
 
     def report(self, weighted_sum: Tensor) -> Tensor:
         """The mini-batch loss ``train_step`` returns, from the weighted losses' sum."""
         return weighted_sum if self.reported == 1.0 else weighted_sum * self.reported
+
+    def target_grads(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """Each of the caller's target tensors that wants a gradient, with the step's
+        gradient of it (for ``caller_grads.hand_over``, after the step's backwards)."""
+        return self.leaves.pairs() if self.leaves is not None else []
 
 
 def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
@@ -95,7 +103,10 @@ def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
         raise ValueError("the target is None, but the last stage needs it for the loss; "
                          "pass it (to DistributedPipe, on the rank that holds the last "
                          "stage: pipe.is_last)")
-    given = Input.of(target)
+    leaves: Optional[TargetLeaves] = TargetLeaves(target)  # a target from the caller's
+    given = Input.of(leaves.value)  # graph is cut from leaves of its tensors
+    if leaves.value is target:  # none of them wants a gradient
+        leaves = None
     pieces = given.scatter(m)
     if len(pieces) != m:
         raise ValueError(f"the target has {given.size} samples but the input was cut into "
@@ -104,7 +115,7 @@ def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
     if count_fn is None:
         sizes = given.sizes(pieces)
         _warn_if_uneven(given, pieces, sizes)
-        return LossWeights(targets, [n / given.size for n in sizes])
+        return LossWeights(targets, [n / given.size for n in sizes], leaves=leaves)
     if not callable(count_fn):
         raise TypeError(f"count_fn must be callable as count_fn(target), got "
                         f"{type(count_fn).__name__}")
@@ -112,7 +123,7 @@ def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
     total, size = (local, 1) if replicas is None else (replicas.sum(local), replicas.size)
     weight = size / total if total else 0.0  # nothing counted: the sums are 0, so is the loss
     reported = total / (size * local) if local else 0.0
-    return LossWeights(targets, [weight] * m, reported)
+    return LossWeights(targets, [weight] * m, reported, leaves)
 
 
 def _count(value: object) -> float:
