@@ -9,7 +9,6 @@ with the opening message of the call, for every other rank to compare with its o
 """
 from __future__ import annotations
 
-import weakref
 import zlib
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -19,32 +18,9 @@ from torch import nn
 
 from seqpipe.distributed.wire import Message
 
-__all__ = ["call_kind", "check_not_failed", "check_same_call", "check_same_model",
-           "gather_ints", "mark_failed", "opened"]
+__all__ = ["call_kind", "check_same_call", "check_same_model", "gather_ints", "opened"]
 
 _CALLS = {(1, 1): "train_step with a scaler", (1, 0): "train_step", (0, 0): "forward"}
-
-# groups a pipeline call failed on: messages of that call may still be in flight there
-_FAILED: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
-
-
-def mark_failed(*groups: Optional[dist.ProcessGroup]) -> None:
-    """Remember that a call failed on ``groups`` (``None``: the default group)."""
-    for group in groups:
-        _FAILED.add(group if group is not None else dist.group.WORLD)
-
-
-def check_not_failed(group: Optional[dist.ProcessGroup]) -> None:
-    """Refuse a new pipeline on a group a call failed on (``mark_failed``): its first
-    collective would read that call's stale messages, and gloo aborts the process on one
-    of another size. Every rank of the failed call knows, so every rank refuses."""
-    if (group if group is not None else dist.group.WORLD) in _FAILED:
-        raise RuntimeError(
-            "a DistributedPipe on this process group failed in an earlier call; messages "
-            "of that call may still be in flight on the group, so a new DistributedPipe "
-            "cannot use it. Create a new process group (torch.distributed.new_group) and "
-            "build the DistributedPipe on it, or end the process and resume from a "
-            "checkpoint")
 
 
 def _fingerprint(module: nn.Sequential, config: Tuple[Any, ...]) -> int:
@@ -73,7 +49,6 @@ def check_same_model(module: nn.Sequential, config: Tuple[Any, ...],
     """Raise ``ValueError`` on every rank of ``group`` unless all built the same model with
     the same ``config``; return the shared checksum. ``who`` names the ranks in the message
     (``"stages"`` when each holds one stage)."""
-    check_not_failed(group)  # before the first collective on it
     values = [v for v, in gather_ints([_fingerprint(module, config)], group, device)]
     odd = [r for r, v in enumerate(values) if v != values[0]]
     if odd:

@@ -45,7 +45,6 @@ from seqpipe.core.stage import Grads, Received, Sent, Stage, TaskState, moved
 from seqpipe.core.tasks import LossFn, Tasks
 from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
-from seqpipe.distributed.agreement import mark_failed
 from seqpipe.distributed.auto import ActionTimer
 from seqpipe.distributed.dtensor_wire import Crossing
 from seqpipe.distributed.plan import Planned
@@ -322,7 +321,6 @@ class Call(Tasks):
         """Pass the news on to the stages still expecting a message from this one, and
         to this stage's replicas (under data parallelism); returns at once."""
         self.transport.abort(text, heard_from)
-        mark_failed(self.transport.group, self.transport.reverse)  # no new pipe on them
         if self.reducer is not None:
             self.reducer.concede(text)
         if self.sharded is not None:
