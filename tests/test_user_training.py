@@ -18,6 +18,8 @@ float64:
   schedule on 2 ranks; then inference after training (``eval()``, ``no_grad``).
 * **A converted BERT** with a padded attention mask under ``zb_h1``, three AdamW steps with
   clipping (already correct).
+* **A model's own loss from padded ``labels=``** (converted T5 and Llama): the count recipe
+  docs/models.md now gives is the plain model's token mean (``out[0]`` alone is not).
 
 All ``DistributedPipe`` cases run in one launch of 2 ranks.
 """
@@ -321,6 +323,7 @@ def _on_two_ranks(rank: int, world: int) -> None:
 def test_distributed_pipe_trains_a_users_loop_like_the_plain_model() -> None:
     """Every built-in schedule on 2 ranks: the gradients of an input and a target made
     outside the pipe (both were wrong: dropped, or a failed step), an AdamW loop with a
-    learning-rate schedule, clipping, freezing and ragged batches, eval inference, and a
-    converted BERT with a padding mask under ``zb_h1``."""
+    learning-rate schedule, clipping, freezing and ragged batches, eval inference; a
+    converted BERT with a padding mask and a Llama's own loss from padded labels under
+    ``zb_h1``."""
     run_workers(_on_two_ranks, 2, timeout=240, pg_timeout=60)
