@@ -20,6 +20,8 @@ float64:
   clipping (already correct).
 * **A model's own loss from padded ``labels=``** (converted T5 and Llama): the count recipe
   docs/models.md now gives is the plain model's token mean (``out[0]`` alone is not).
+* **Dropout masks** with one seed: the same under another clock or checkpoint mode (what
+  docs/checkpointing.md promises, now that it no longer says ``balance`` keeps them).
 
 All ``DistributedPipe`` cases run in one launch of 2 ranks.
 """
@@ -310,6 +312,31 @@ def _llama_padded_labels(failures: Failures) -> None:
                        f"llama labels: grad of {key}")
 
 
+def _dropout_masks(failures: Failures) -> None:
+    """With Dropout and the same seed, the clock and the checkpoint mode draw the same
+    masks (docs/checkpointing.md; ``balance`` and ``chunks`` do not, as it now says)."""
+    from seqpipe.distributed import DistributedPipe
+
+    def grads(schedule: str, checkpoint: str) -> Dict[str, Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 16),
+                              nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5),
+                              nn.Linear(16, 6), nn.Identity()).double()
+        pipe = DistributedPipe(model, chunks=4, balance=[4, 4], schedule=schedule,
+                               checkpoint=checkpoint)
+        x, y = batch(3, 8)
+        torch.manual_seed(123)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        F.mse_loss)
+        return {name: param.grad for name, param in pipe.named_parameters()}
+
+    first = grads("1f1b", "except_last")
+    for schedule, checkpoint in [("1f1b", "never"), ("1f1b", "always"),
+                                 ("fill_drain", "except_last"), ("zb_h1", "always")]:
+        for name, grad in grads(schedule, checkpoint).items():
+            failures.close(grad, first[name], f"dropout, {schedule}/{checkpoint}: {name}")
+
+
 def _on_two_ranks(rank: int, world: int) -> None:
     failures = Failures(rank, TOL)
     for schedule in SCHEDULES:
@@ -317,6 +344,7 @@ def _on_two_ranks(rank: int, world: int) -> None:
         _optimizer_loop(schedule, failures)
     _converted_bert(failures)
     _llama_padded_labels(failures)
+    _dropout_masks(failures)
     failures.finish()
 
 
