@@ -20,6 +20,9 @@ float64:
   clipping (already correct).
 * **A model's own loss from padded ``labels=``** (converted T5 and Llama): the count recipe
   docs/models.md now gives is the plain model's token mean (``out[0]`` alone is not).
+* **A micro-batch whose loss is a constant** (``loss_fn`` returning ``new_zeros(())`` for a
+  micro-batch that counts nothing) failed the step with an autograd error on both engines
+  (fixed, ``seqpipe/core/loss_weights.py``: ``joined``); now it adds nothing.
 * **Dropout masks** with one seed: the same under another clock or checkpoint mode (what
   docs/checkpointing.md promises, now that it no longer says ``balance`` keeps them).
 
@@ -108,6 +111,44 @@ def test_a_target_from_the_callers_graph_gets_the_plain_gradient_on_pipe(schedul
     pipe.train_step(shared, shared, F.mse_loss, schedule=schedule)
     _grads_equal(head2, head, "an encoder making input and target", expect)
     _grads_equal(pipe, plain, "the pipe, input and target one tensor", expect)
+
+
+# -- a micro-batch that counts nothing ----------------------------------------------------
+def masked_sum(output: Tensor, target: Tensor) -> Tensor:
+    """The squared error summed over the rows whose target is not masked (``-100`` in
+    column 0), and a constant zero for a micro-batch with none: a common way to write it."""
+    keep = target[:, 0] > -50
+    if not keep.any():
+        return output.new_zeros(())
+    return ((output[keep] - target[keep]) ** 2).sum()
+
+
+def masked_batch(step: int) -> Tuple[Tensor, Tensor]:
+    """8 samples whose second quarter (micro-batch 1 of 4) is all masked."""
+    x, y = batch(step, 8)
+    y[2:4, 0] = -100
+    return x, y
+
+
+def masked_count(target: Tensor) -> int:
+    return int((target[:, 0] > -50).sum()) * target.shape[1]
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "1f1b", "zb_h1"])
+def test_a_micro_batch_whose_loss_is_a_constant_adds_nothing(schedule: str) -> None:
+    """A ``loss_fn`` returning a constant for a micro-batch that counts nothing (the whole
+    batch, which the plain model sees, counts something): the step failed with autograd's
+    "It is not possible to get the gradient edge for a Tensor that does not require
+    gradients"; now that micro-batch adds nothing, as in the plain model."""
+    plain, model = twins(mlp)
+    pipe = Pipe(model, chunks=4, balance=[4, 4], devices=["cpu", "cpu"])
+    x, y = masked_batch(0)
+    expected = masked_sum(plain(x), y) / masked_count(y)
+    expected.backward()
+    loss = pipe.train_step(x, y, masked_sum, schedule=schedule, count_fn=masked_count)
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    _grads_equal(pipe, plain, schedule,
+                 lambda a, b, what: torch.testing.assert_close(a, b, **TOL, msg=what))
 
 
 # -- a model's own loss from padded labels ---------------------------------------------------
@@ -337,11 +378,27 @@ def _dropout_masks(failures: Failures) -> None:
             failures.close(grad, first[name], f"dropout, {schedule}/{checkpoint}: {name}")
 
 
+def _constant_loss(schedule: str, failures: Failures) -> None:
+    """A micro-batch whose ``loss_fn`` returns a constant adds nothing (the step failed)."""
+    from seqpipe.distributed import DistributedPipe
+    plain = mlp()
+    pipe = DistributedPipe(mlp(), chunks=4, balance=_balance(schedule), schedule=schedule)
+    x, y = masked_batch(1)
+    expected = masked_sum(plain(x), y) / masked_count(y)
+    expected.backward()
+    loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                           masked_sum, count_fn=masked_count)
+    failures.close(loss, expected.detach(), f"{schedule}, a constant loss: loss")
+    failures.grads(pipe, plain, f"{schedule}, a constant loss")
+
+
 def _on_two_ranks(rank: int, world: int) -> None:
     failures = Failures(rank, TOL)
     for schedule in SCHEDULES:
         _callers_graph(schedule, failures)
         _optimizer_loop(schedule, failures)
+        if schedule in ("1f1b", "zb_h1", "zbv"):
+            _constant_loss(schedule, failures)
     _converted_bert(failures)
     _llama_padded_labels(failures)
     _dropout_masks(failures)

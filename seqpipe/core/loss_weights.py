@@ -47,7 +47,7 @@ from torch import Tensor
 from seqpipe.core.caller_grads import TargetLeaves
 from seqpipe.core.microbatch import Batch, Input
 
-__all__ = ["CountFn", "IGNORED_LABEL", "LossWeights", "Replicas", "loss_weights"]
+__all__ = ["CountFn", "IGNORED_LABEL", "LossWeights", "Replicas", "joined", "loss_weights"]
 
 CountFn = Callable[[Any], Union[int, float, Tensor]]
 IGNORED_LABEL = -100  # torch's cross_entropy ignore_index, Hugging Face's label padding
@@ -124,6 +124,34 @@ def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
     weight = size / total if total else 0.0  # nothing counted: the sums are 0, so is the loss
     reported = total / (size * local) if local else 0.0
     return LossWeights(targets, [weight] * m, reported, leaves)
+
+
+class _Joined(torch.autograd.Function):
+    """A micro-batch loss that does not depend on the outputs, joined to them with a zero
+    gradient (zeros of their shapes, not ``0 * output``, which an ``inf`` would make NaN)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, *outputs: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.like = [(o.shape, o.dtype, o.device) for o in outputs]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        return (None, *[torch.zeros(shape, dtype=dtype, device=device)
+                        for shape, dtype, device in ctx.like])
+
+
+def joined(loss: Tensor, outputs: Sequence[Tensor]) -> Tensor:
+    """``loss`` as the stage's backward can start from it. A ``loss_fn`` may return a
+    constant for a micro-batch that counts nothing (``if not mask.any(): return
+    out.new_zeros(())``), which the plain model never meets on the whole batch; its
+    backward would fail (autograd has no edge to start from). Such a loss is joined to the
+    outputs that require grad with a zero gradient: the micro-batch adds nothing, as in the
+    plain model."""
+    if loss.requires_grad:
+        return loss
+    wanting = [o for o in outputs if o.requires_grad]
+    return _Joined.apply(loss, *wanting) if wanting else loss
 
 
 def _count(value: object) -> float:
