@@ -311,7 +311,7 @@ class CallLifecycle:
         with call.guard("end of the step"):
             for stage in self.stages.values():
                 stage.finish_forward()
-            if self.is_first and call.input_grads or weights.leaves is not None:
+            if (self.is_first and call.input_grads) or weights.leaves is not None:
                 hand_over(self._caller_grads(call, input, batches, weights))
             loss = self.close(call, weights.report(torch.stack(call.losses).sum())
                               if self.is_last else None)
