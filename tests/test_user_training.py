@@ -152,6 +152,26 @@ def test_a_micro_batch_whose_loss_is_a_constant_adds_nothing(schedule: str) -> N
                  lambda a, b, what: torch.testing.assert_close(a, b, **TOL, msg=what))
 
 
+# -- a loss that couples the samples -------------------------------------------------------
+def info_nce(z: Tensor, keys: Tensor) -> Tensor:
+    """Each sample's positive is its own key, the other samples' keys its negatives."""
+    logits = F.normalize(z, dim=1) @ F.normalize(keys, dim=1).T / 0.1
+    return F.cross_entropy(logits, torch.arange(len(z)))
+
+
+def test_a_loss_coupling_the_samples_is_exact_on_the_whole_output() -> None:
+    """A contrastive loss over in-batch negatives cannot be cut into micro-batch losses
+    (``train_step`` trains another objective: docs/distributed.md, ``train_step``); the way
+    docs name for ``Pipe``, the loss on ``pipe(x)``'s whole output, is the plain model's."""
+    plain, model = twins(mlp)
+    pipe = Pipe(model, chunks=4, balance=[4, 4], devices=["cpu", "cpu"])
+    x, keys = batch(4, 8)
+    info_nce(plain(x), keys).backward()
+    info_nce(pipe(x), keys).backward()
+    _grads_equal(pipe, plain, "in-batch negatives",
+                 lambda a, b, what: torch.testing.assert_close(a, b, **TOL, msg=what))
+
+
 # -- a model's own loss from padded labels ---------------------------------------------------
 def padded_labels(name: str, size: int = 6) -> Tuple[tuple, dict, Tensor]:
     """``name``'s example with ``labels=`` padded with ``-100`` unevenly over the rows."""
