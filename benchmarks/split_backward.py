@@ -24,6 +24,10 @@ backward's cost"), ``I + W`` over ``Stage B`` per micro-batch:
 
 * main at ``1d9ba5f``: +8.01 / +5.59 ms (1.405× / 1.334× B's 19.78 / 16.71 ms);
 * this change: +3.72 / +3.84 ms (1.249× / 1.239× B's 14.97 / 16.02 ms).
+
+Session 12 (``zb2``: one walk for the leaves too, the holders read in one loop), ``--rounds
+40``, 06:42-06:46, load average 4.5-4.7, alternating with ``main`` at ``f6996e0``: +3.22 /
++3.49 / +3.20 ms against +3.28 / +4.00 / +3.54 (docs/benchmarks.md, "Session 12: zb2").
 """
 from __future__ import annotations
 

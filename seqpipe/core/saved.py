@@ -10,6 +10,10 @@ no more than 1F1B). There is no public way to free one node's saved tensors, so 
 forward records under a ``saved_tensors_hooks`` pair whose pack puts each saved tensor in a
 holder that only autograd references; after ``I``, ``release`` empties the holders of the
 nodes ``I`` ran that ``W`` does not run, and the tensors die with the last reference.
+What the nodes ``W`` calls itself saved is freed after ``W`` (``keep`` then ``free_all``;
+the engine frees what the nodes it runs saved). A holder no node owns directly (the
+inputs a layer's own ``torch.utils.checkpoint`` saves for its recomputation, which ``I``
+and ``W`` each read) is never freed early: it dies with the graph.
 
 The hooks delegate to those the caller installed (a saved-tensor meter, ``save_on_cpu``):
 their pack runs on the tensor and their unpack on what it returned, as without seqpipe.
@@ -44,15 +48,16 @@ _READABLE = hasattr(torch._C._autograd.SavedTensor, "data")  # packed values rea
 class _Held:
     """One saved tensor (or what the caller's pack hook made of it)."""
 
-    __slots__ = ("value", "unpack", "version", "dtype", "device")
+    __slots__ = ("value", "unpack", "version", "meta")
 
     def __init__(self, value: Any, unpack: Optional[Callable[[Any], Tensor]],
                  tensor: Tensor) -> None:
         self.value: Optional[Any] = value
         self.unpack = unpack  # the caller's unpack hook, if its pack made ``value``
         self.version = tensor._version
-        self.dtype = tensor.dtype
-        self.device = tensor.device
+        # Only a torch without ``SavedTensor.data`` probes (``_holders``) with an empty tensor
+        # of the saved one's kind; reading ``device`` costs ~1 µs a saved tensor.
+        self.meta = None if _READABLE else (tensor.dtype, tensor.device)
 
 
 def _raw_names(node: Node) -> Tuple[str, ...]:
@@ -63,15 +68,6 @@ def _raw_names(node: Node) -> Tuple[str, ...]:
     if names is None:
         names = _RAW[kind] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
     return names
-
-
-def _packed(node: Node) -> Iterator[Any]:
-    """What the pack hooks returned for each tensor ``node`` saved, read without unpacking."""
-    for name in _raw_names(node):
-        raw = getattr(node, name)
-        for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
-            if saved is not None:
-                yield saved.data
 
 
 def _saved_names(node: Node) -> Tuple[str, ...]:
@@ -93,6 +89,7 @@ class SavedTensors:
     def __init__(self) -> None:
         self._outer: Optional[Tuple[Any, Any]] = None
         self._probe: Optional[List[_Held]] = None
+        self._kept: List[_Held] = []  # what the nodes ``W`` calls saved (``keep``)
 
     def recording(self) -> ContextManager[None]:
         """Around the forward (and a loss computed on its output): hold what it saves.
@@ -117,7 +114,8 @@ class SavedTensors:
     def _unpack(self, held: _Held) -> Tensor:
         if self._probe is not None:
             self._probe.append(held)
-            return torch.empty(0, dtype=held.dtype, device=held.device)
+            dtype, device = held.meta  # type: ignore[misc]
+            return torch.empty(0, dtype=dtype, device=device)
         if held.value is None:
             raise RuntimeError(
                 "seqpipe freed this saved tensor after the input-gradient pass (I) of a "
@@ -136,7 +134,15 @@ class SavedTensors:
     def _holders(self, nodes: Iterable[Node]) -> Dict[int, _Held]:
         """The holders that ``nodes`` own, by id, read without unpacking them."""
         if _READABLE:
-            return {id(p): p for node in nodes for p in _packed(node) if isinstance(p, _Held)}
+            found: Dict[int, _Held] = {}
+            for node in nodes:
+                names = _RAW.get(type(node))
+                for name in _raw_names(node) if names is None else names:
+                    raw = getattr(node, name)
+                    for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+                        if saved is not None and isinstance(held := saved.data, _Held):
+                            found[id(held)] = held
+            return found
         probe: List[_Held] = []
         self._probe = probe
         try:
@@ -150,14 +156,20 @@ class SavedTensors:
     def release(self, ran: Iterable[Node], kept: Iterable[Node]) -> None:
         """Free what the nodes ``ran`` saved, except what the nodes ``kept`` still need."""
         needed = self._holders(kept)
-        self.free(held for key, held in self._holders(ran).items() if key not in needed)
+        for key, held in self._holders(ran).items():
+            if key not in needed:
+                held.value = None
 
-    def holders_of(self, node: Node) -> List[_Held]:
-        """What ``node`` saved, to ``free`` once it has run for the last time (a node that
-        a split backward's ``W`` calls itself: autograd frees only what the nodes its
-        engine runs saved). Each saved tensor has a holder of its own, so no other node
-        reads these."""
-        return list(self._holders((node,)).values())
+    def keep(self, nodes: Iterable[Node]) -> None:
+        """Note what ``nodes`` saved, for ``free_all`` (the nodes a split backward's ``W``
+        calls itself: autograd frees only what the nodes its engine runs saved)."""
+        self._kept = list(self._holders(nodes).values())
+
+    def free_all(self) -> None:
+        """After ``W``: free what ``keep`` noted (the graph may outlive ``W``, in the roots a
+        task state keeps, but nothing runs these nodes again)."""
+        kept, self._kept = self._kept, []
+        self.free(kept)
 
     @staticmethod
     def free(holders: Iterable[_Held]) -> None:

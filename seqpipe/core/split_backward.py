@@ -25,8 +25,9 @@ gradient.
 What a split costs beyond one backward is mostly per *call into autograd's engine* (a
 graph task, two walks over every node reachable from its roots) and Python. So:
 
-* ``I`` walks the graph once in Python (``_survey``: the path, every node's edges, shared
-  nodes) and calls the engine once;
+* ``I`` walks the graph once in Python (``seqpipe.core.split_walk``: the path, the
+  boundary nodes and the leaves behind each of their edges off it, shared nodes) and
+  calls the engine once;
 * ``W`` makes one engine call, ``_WithinTask``, whose only targets are the boundary nodes'
   edges off ``P``. Inside it each boundary node is *called* (``node(*grads)``): a node
   computes only the outputs whose next node the current graph task needs, so it computes
@@ -35,9 +36,12 @@ graph task, two walks over every node reachable from its roots) and Python. So:
   parameters behind them, one boundary node at a time, from inside that call: each such
   engine call walks the few nodes of one weight path, not the whole graph below the
   boundary node as a call rooted at the node would (a transformer stage: 26 boundary
-  nodes, ~2,500 node visits per ``W`` instead of ~100). One call for all of ``W`` is not
+  nodes, ~2,500 node visits per ``W`` instead of ~100); where every leaf behind a called
+  node's edges is wanted, without ``inputs=``. One call for all of ``W`` is not
   exact: a boundary node upstream reaches a later one's parameters through ``P``, so
-  autograd would run ``P`` again and count the later node's gradient twice.
+  autograd would run ``P`` again and count the later node's gradient twice. (One call for
+  all the weight paths is exact, and saves ~7 µs an engine call, but the engine then
+  accumulates every bias before any weight: the per-layer order below would be lost.)
   A boundary node that is a custom ``autograd.Function``, any under anomaly detection, and
   every one of a stage whose backward must run hooks on its outputs in ``W`` too
   (``weight(call=False)``: FSDP2's pre-backward hook queues, per backward, the move of the
@@ -52,7 +56,7 @@ Right after ``I``, what only ``P`` needed is freed (``seqpipe.core.saved``): the
 the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
 the roots' gradients; only the weight path's saved tensors and the kept gradients wait for
 ``W``, so a micro-batch between its ``I`` and its ``W`` holds no more than its schedule
-counts on.
+counts on. What the boundary nodes saved is freed when ``W`` ends.
 """
 from __future__ import annotations
 
@@ -67,67 +71,11 @@ from torch.autograd.variable import Variable
 from torch.overrides import has_torch_function
 
 from seqpipe.core.saved import SavedTensors
+from seqpipe.core.split_walk import ACCUMULATE, survey
 
 __all__ = ["SplitBackward", "autograd_inputs", "reachable"]
 
 Node = Any  # torch.autograd.graph.Node
-Edges = Tuple[Tuple[Optional[Node], int], ...]  # a node's ``next_functions``
-
-
-@dataclass
-class _Graph:
-    """What one walk over a micro-batch's graph finds."""
-
-    edges: Dict[Node, Edges]  # every node reachable from the roots, and its edges
-    # Those that reach the input node, each with the indices of its edges that leave the
-    # path (a dict: it iterates in the walk's order, the same on every replica).
-    path: Dict[Node, List[int]]
-    shared: bool  # a node off the path has several parents
-
-
-def _survey(roots: Sequence[Node], target: Node) -> _Graph:
-    """Walk the graph below ``roots`` once, reading each node's edges once (iteratively:
-    a deep model's graph would overflow Python's recursion)."""
-    edges: Dict[Node, Edges] = {}
-    path: Dict[Node, List[int]] = {}
-    parents: Dict[Node, int] = {}
-    stack: List[Tuple[Node, bool]] = [(root, False) for root in roots]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:  # its children are done (a DAG: none is still open below this node)
-            on, off = node is target, []
-            for k, (child, _) in enumerate(edges[node]):
-                if child is not None:
-                    if child in path:
-                        on = True
-                    else:
-                        off.append(k)
-            if on:
-                path[node] = off
-            continue
-        if node in edges:
-            continue
-        nexts = edges[node] = node.next_functions
-        stack.append((node, True))
-        for child, _ in nexts:
-            if child is not None:
-                parents[child] = parents.get(child, 0) + 1
-                if child not in edges:
-                    stack.append((child, False))
-    shared = any(n > 1 and child not in path for child, n in parents.items())
-    return _Graph(edges, path, shared)
-
-
-def _below(starts: Sequence[Node], edges: Dict[Node, Edges]) -> List[Node]:
-    """The nodes reachable from ``starts`` (``starts`` included), read from ``edges``."""
-    seen: Dict[Node, None] = {}
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen[node] = None
-            stack.extend(c for c, _ in edges[node] if c is not None)
-    return list(seen)
 
 
 def reachable(edges: Sequence[GradientEdge]) -> List[Node]:
@@ -141,16 +89,6 @@ def reachable(edges: Sequence[GradientEdge]) -> List[Node]:
         seen[node] = None
         stack.extend(c for c, _ in node.next_functions if c is not None)
     return list(seen)
-
-
-def _leaves(nodes: Sequence[Node]) -> List[Tensor]:
-    """The leaf tensors behind the ``AccumulateGrad`` nodes among ``nodes``."""
-    found = (getattr(node, "variable", None) for node in nodes)
-    return [v for v in found if isinstance(v, Tensor)]
-
-
-with torch.inference_mode(False):  # the class of a leaf's gradient accumulator
-    _ACCUMULATE = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
 
 
 def _with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
@@ -170,7 +108,7 @@ def _with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
         if node in seen:
             continue
         seen.add(node)
-        if type(node) is _ACCUMULATE:
+        if type(node) is ACCUMULATE:
             if id(node.variable) not in known:
                 outside.append(node.variable)
             continue
@@ -237,28 +175,28 @@ class _Boundary:
     node: Node
     off: List[Tuple[int, GradientEdge, List[Tensor]]]  # (output index, edge, leaves behind)
     incoming: Optional[Tuple[Optional[Tensor], ...]] = None  # set by ``I``'s pre-hook
-    held: List[Any] = field(default_factory=list)  # what it saved (``SavedTensors``)
 
-    def run(self, wanted: List[Tuple[int, GradientEdge, List[Tensor]]], direct: bool,
-            backprop: Callable[..., None]) -> None:
-        """Backpropagate the kept gradients through the edges ``wanted`` (output index,
-        edge, the leaves behind it to accumulate into): with ``direct``, by calling the
-        node inside a graph task that needs those edges only (``_within_task``), then
-        freeing what it saved (the engine frees what the nodes it runs saved)."""
+    def run(self, ks: Sequence[int], edges: Sequence[GradientEdge], inputs: Sequence[Any],
+            direct: bool, nested: bool) -> None:
+        """Backpropagate the kept gradients through the edges ``edges`` (the node's outputs
+        ``ks``) into ``inputs`` (``()``: every leaf behind them): with ``direct``, by
+        calling the node inside a graph task that needs those edges only
+        (``_within_task``); else the engine runs the node (and hooks on its output again)."""
         incoming, self.incoming = self.incoming, None  # freed as soon as it is used
         assert incoming is not None
-        if not direct:  # the engine runs the node (and hooks on its output again)
-            backprop([GradientEdge(self.node, k) for k, g in enumerate(incoming)
-                      if g is not None], [g for g in incoming if g is not None],
-                     [t for _, _, targets in wanted for t in targets])
-            SavedTensors.free(self.held)
+        if not direct:
+            _backprop([GradientEdge(self.node, k) for k, g in enumerate(incoming)
+                       if g is not None], [g for g in incoming if g is not None], inputs,
+                      nested=nested)
             return
         out = self.node(*incoming)  # the outputs the current graph task needs only
-        SavedTensors.free(self.held)
-        pairs = [(edge, out[k], targets) for k, edge, targets in wanted if out[k] is not None]
-        if pairs:
-            backprop([e for e, _, _ in pairs], [g for _, g, _ in pairs],
-                     [t for _, _, targets in pairs for t in targets])
+        roots, grads = [], []
+        for k, edge in zip(ks, edges):
+            if out[k] is not None:
+                roots.append(edge)
+                grads.append(out[k])
+        if grads:
+            _backprop(roots, grads, inputs, nested=nested)
 
 
 @dataclass
@@ -279,7 +217,7 @@ class SplitBackward:
         """Backpropagate to the stage input only, keeping what ``weight`` needs."""
         if self.wrt_input is None or self.input_node is None or not self.roots:
             return
-        graph = _survey([r.node for r in self.roots], self.input_node)
+        graph = survey([r.node for r in self.roots], self.input_node)
         # A node off the path with several parents (a parameter used twice, say) could be
         # reached from one boundary node through another, which would then run part of
         # the input path again. Rare; then W runs the whole backward again into the
@@ -287,19 +225,12 @@ class SplitBackward:
         self.whole = graph.shared
         if self.whole:
             return self._input_only()
-        path, edges = graph.path, graph.edges
-        for root, grad in zip(self.roots, self.grads):
-            if root.node not in path:
-                self.off_path.append((root, grad, _leaves(_below([root.node], edges))))
-        only_input: List[Node] = []  # path nodes that W does not run again
-        for node, leaving in path.items():
-            if not leaving or node is self.input_node:
-                only_input.append(node)
-                continue
-            nexts = edges[node]
-            self.boundary.append(_Boundary(node, [
-                (k, GradientEdge(*nexts[k]), _leaves(_below([nexts[k][0]], edges)))
-                for k in leaving]))
+        on, behind = graph.on, graph.behind
+        self.off_path = [(root, grad, behind[root.node])
+                         for root, grad in zip(self.roots, self.grads) if root.node not in on]
+        self.boundary = [_Boundary(node, [(k, GradientEdge(child, nr), leaves)
+                                          for k, child, nr, leaves in off])
+                         for node, off in graph.boundary]
         handles = [b.node.register_prehook(partial(setattr, b, "incoming"))
                    for b in self.boundary]
         try:
@@ -308,13 +239,12 @@ class SplitBackward:
             for handle in handles:
                 handle.remove()
         # W starts from the kept gradients: drop the roots, their gradients, and what only
-        # the input path saved (a ReLU's output, the loss's input). What the boundary nodes
-        # saved is freed once W has run each of them; the weight path below frees itself.
+        # the input path saved (a ReLU's output, the loss's input). What the boundary
+        # nodes saved is freed once W has called them; the weight path frees itself.
         self.roots, self.grads = [], []
         if self.saved is not None:
-            self.saved.release(only_input, ())
-            for b in self.boundary:
-                b.held = self.saved.holders_of(b.node)
+            self.saved.release(graph.only, ())
+            self.saved.keep([b.node for b in self.boundary])
 
     def _input_only(self) -> None:
         _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
@@ -326,12 +256,20 @@ class SplitBackward:
         ``wrt`` first (see the module's docstring for how each runs). ``call=False``:
         the engine runs every boundary node again, so that hooks on their outputs run
         in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
+        What the boundary nodes saved is freed at the end (``SavedTensors.free_all``).
         ``plain``: the step's backward is over the whole graph (``GradSink.plain``), so
         every leaf behind the weight path gets its gradient, not only ``wrt``'s (after
         them): a tensor outside the pipe that a layer or ``loss_fn`` holds. A stage without
         an input path then backpropagates as the plain model does, without ``inputs=``;
         a whole rerun (a shared node) names them in ``inputs=`` (``_with_outside``).
         """
+        try:
+            self._weight(wrt, call, plain)
+        finally:
+            if self.saved is not None:
+                self.saved.free_all()
+
+    def _weight(self, wrt: Sequence[Tensor], call: bool, plain: bool) -> None:
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and (wrt or plain):
                 if plain and self.wrt_input is None:
@@ -349,39 +287,54 @@ class SplitBackward:
             for behind in [b for *_, b in off_path] + [b for x in boundary for *_, b in x.off]:
                 for leaf in behind:
                     order.setdefault(id(leaf), len(order))
+
+        def targets(leaves: List[Tensor]) -> List[Any]:
+            return autograd_inputs(sorted(leaves, key=lambda t: order[id(t)]))
+
         # In a fixed order, the same on every replica (not the nodes' addresses): the
         # parameters registered last first, the order a plain backward produces them in
         # (and a reducer's buckets follow), so that post-accumulate hooks that issue
         # per-layer collectives issue them in the same order on every replica.
-        runs: List[Tuple[int, Callable[[], None]]] = []
-
-        def backprop(roots: Sequence[GradientEdge], grads: Sequence[Tensor],
-                     targets: Sequence[Tensor]) -> None:
-            _backprop(roots, grads, autograd_inputs(sorted(targets, key=lambda t: order[id(t)])),
-                      nested=bool(called))
-
+        runs: List[Tuple[int, Optional[_Boundary], Any, Any, Sequence[Any], bool]] = []
         for root, grad, behind in off_path:
-            targets = [t for t in behind if id(t) in order]
-            if targets:
-                runs.append((max(order[id(t)] for t in targets),
-                             partial(backprop, [root], [grad], targets)))
+            leaves = [t for t in behind if id(t) in order]
+            if leaves:
+                runs.append((max(order[id(t)] for t in leaves), None, [root], [grad],
+                             targets(leaves), False))
         direct = call and not torch.is_anomaly_enabled()
         called: List[GradientEdge] = []  # what the nodes called directly must compute
         for b in boundary:
-            wanted = [(k, edge, targets) for k, edge, behind in b.off
-                      if (targets := [t for t in behind if id(t) in order])]
-            if not wanted or b.incoming is None:
+            if b.incoming is None:
+                continue
+            ks, edges, leaves, every, last = [], [], [], True, -1
+            for k, edge, behind in b.off:  # (loops, not comprehensions: no call each)
+                first = len(leaves)
+                for leaf in behind:
+                    at = order.get(id(leaf))
+                    if at is not None:
+                        leaves.append(leaf)
+                        last = at if at > last else last
+                if len(leaves) > first:
+                    ks.append(k)
+                    edges.append(edge)
+                    every = every and len(leaves) - first == len(behind)
+            if not ks:
                 continue
             here = direct and not isinstance(b.node, torch._C._FunctionBase)
             if here:
-                called += [edge for _, edge, _ in wanted]
-            runs.append((max(order[id(t)] for _, _, targets in wanted for t in targets),
-                         partial(b.run, wanted, here, backprop)))
+                called += edges
+            # Called here, the node's outputs are the roots: when every leaf behind them is
+            # wanted, the engine needs no ``inputs=`` (nor the walk that marks them).
+            runs.append((last, b, ks, edges, () if here and every else targets(leaves), here))
         runs.sort(key=lambda run: -run[0])
+        nested = bool(called)
 
         def work() -> None:
-            for _, run in runs:
-                run()
+            for _, b, ks, edges, inputs, here in runs:
+                if b is None:  # a root off the input path: ks, edges are its roots, grads
+                    _backprop(ks, edges, inputs, nested=nested)
+                else:
+                    b.run(ks, edges, inputs, here, nested)
         if called:
             _within_task(called, work)
         else:
