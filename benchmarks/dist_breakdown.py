@@ -323,14 +323,20 @@ def report(answers: Dict[int, Dict[str, Any]], args: argparse.Namespace) -> List
     return lines
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def mlp_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The options of ``dist_vs_torch_pipelining.py``'s model at one ``M`` (``--chunks``),
+    and how many timed and warm-up rounds (shared with ``dist_hops.py``)."""
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step (M)")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mlp_arguments(parser, rounds=15)
     parser.add_argument("--max-foreign", type=float, default=0.3)
     parser.add_argument("--max-rounds", type=int, default=150)
     parser.add_argument("--latency", action="store_true", help="also time single receives")

@@ -40,7 +40,13 @@ Diagnostic variant ``2 halves, no comm``: each rank runs only its own half on th
 micro-batches (stage 0 backpropagates a constant gradient), with no communication at all.
 It measures how fast each core does half the work while the other core is busy too (shared
 caches and memory bandwidth); ``one / (2 × its time)`` is the efficiency ceiling of any
-2-process pipeline on this machine, before bubbles and communication.
+2-process pipeline on this machine, before bubbles and communication. Its time is the
+*compute floor*; times ``(M + 1) / M`` (the bubble of a 2-stage fill-drain or 1F1B clock) it
+is the fastest any runtime could run this split at that moment, so torch's step over it,
+the *ceiling* column, is the most seqpipe/torch could be in that run (as in
+``dist_transformer_vs_torch.py``). Each variant's main-thread CPU per step and rank
+(``time.thread_time``: the thread running the step; gloo's I/O threads excluded) is
+printed beside it, the figure issue 24 compares with torch's.
 
 Memory (``--memory-chunks``, default 8): one step per pipelined variant, on each rank,
 
@@ -210,7 +216,8 @@ def time_rounds(variants: Any, args: argparse.Namespace,
 
     ``variants.steps``: the step of each variant; each step's CPU time is read with
     ``clock`` on each rank (default: the whole process's), summed over both (``cpu``) and
-    per rank (``ranks``)."""
+    per rank (``ranks``), and with ``time.thread_time`` per rank (``main``: the thread
+    that runs the step, gloo's threads excluded)."""
     names = list(variants.steps)
     for _ in range(args.warmup):
         for name in names:
@@ -218,6 +225,7 @@ def time_rounds(variants: Any, args: argparse.Namespace,
             variants.steps[name]()
     starts: List[List[float]] = []  # per round: [t0, t1] per variant (in `names` order)
     cpus: List[List[float]] = []
+    mains: List[List[float]] = []  # per round: this rank's main-thread CPU per variant
     rounds: List[float] = []  # per round: [own cpu over the round, busy over the round]
     quiet = r = 0
     while quiet < args.rounds and r < args.max_rounds:
@@ -226,14 +234,15 @@ def time_rounds(variants: Any, args: argparse.Namespace,
         busy0, own0, w0 = _busy_seconds(), _own_cpu(), time.perf_counter()
         row = [0.0] * (2 * len(names))
         crow = [0.0] * len(names)
+        mrow = [0.0] * len(names)
         for name in names[shift:] + names[:shift]:
             k = names.index(name)
             dist.barrier()
-            c0, t0 = clock(), time.perf_counter()
+            m0, c0, t0 = time.thread_time(), clock(), time.perf_counter()
             variants.steps[name]()
-            t1, c1 = time.perf_counter(), clock()
+            t1, c1, m1 = time.perf_counter(), clock(), time.thread_time()
             row[2 * k:2 * k + 2] = [t0, t1]
-            crow[k] = c1 - c0
+            crow[k], mrow[k] = c1 - c0, m1 - m0
         dist.barrier()
         w1, own1, busy1 = time.perf_counter(), _own_cpu(), _busy_seconds()
         mine = torch.tensor([own1 - own0, busy1 - busy0, w1 - w0], dtype=torch.float64)
@@ -244,14 +253,18 @@ def time_rounds(variants: Any, args: argparse.Namespace,
         rounds.append(foreign)
         starts.append(row)
         cpus.append(crow)
+        mains.append(mrow)
         quiet += foreign <= args.max_foreign
         r += 1
     mine_t = torch.tensor(starts, dtype=torch.float64)
     mine_c = torch.tensor(cpus, dtype=torch.float64)
+    mine_m = torch.tensor(mains, dtype=torch.float64)
     all_t = [torch.zeros_like(mine_t) for _ in range(2)]
     all_c = [torch.zeros_like(mine_c) for _ in range(2)]
+    all_m = [torch.zeros_like(mine_m) for _ in range(2)]
     dist.all_gather(all_t, mine_t)
     dist.all_gather(all_c, mine_c)
+    dist.all_gather(all_m, mine_m)
     keep = [i for i, f in enumerate(rounds) if f <= args.max_foreign]
     out: Dict[str, Any] = {"rounds": r, "quiet": len(keep), "foreign": rounds}
     for k, name in enumerate(names):
@@ -262,7 +275,8 @@ def time_rounds(variants: Any, args: argparse.Namespace,
         wall = (t1 - t0).tolist()
         cpu = (all_c[0][:, k] + all_c[1][:, k]).tolist()
         out[name] = {"wall": [wall[i] for i in keep], "cpu": [cpu[i] for i in keep],
-                     "ranks": [[c[i, k].item() for i in keep] for c in all_c]}
+                     "ranks": [[c[i, k].item() for i in keep] for c in all_c],
+                     "main": [[c[i, k].item() for i in keep] for c in all_m]}
     return out
 
 
@@ -445,8 +459,10 @@ def _med(xs: Sequence[float]) -> float:
 def timing_table(results: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     micro = args.micro_batch
     lines = ["| M | batch | variant | step ms (IQR) | steps/s | samples/s | CPU cores | "
-             "vs 1 process | efficiency | seqpipe/torch |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "vs 1 process | efficiency | seqpipe/torch | ceiling | "
+             "main-thread CPU ms, rank 0 / 1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    floors: List[str] = []
     foreign: List[float] = []
     summary: List[str] = []
     torch_of = {s: t for s, t in PAIRS.values()}
@@ -454,6 +470,9 @@ def timing_table(results: Dict[str, Any], args: argparse.Namespace) -> List[str]
         foreign += [f for f in timed["foreign"] if f <= args.max_foreign]
         ideal = 2 * m / (m + 1)
         one = _med(timed[ONE]["wall"])
+        floor = _med(timed[HALVES]["wall"]) * (m + 1) / m  # + a 2-stage pipeline's bubble
+        floors.append(f"M={m}: compute floor {floor * m / (m + 1) * 1e3:.1f} ms, "
+                      f"{floor * 1e3:.1f} ms with the (M+1)/M bubble")
         for name in (*SEQ, *TORCH, ONE, HALVES):
             wall, cpu = timed[name]["wall"], timed[name]["cpu"]
             med = _med(wall)
@@ -463,27 +482,36 @@ def timing_table(results: Dict[str, Any], args: argparse.Namespace) -> List[str]
             eff = "-" if name == ONE else f"{speed / ideal:.1%}"
             if name == HALVES:  # the efficiency a zero-cost pipeline could reach (see docs)
                 eff = f"ceiling {one / (2 * med):.1%}"
-            ratio = "-"
+            ratio = ceiling = "-"
             if name in torch_of:
                 paired = [t / s for s, t in zip(wall, timed[torch_of[name]]["wall"])]
                 ratio = f"**{_med(paired):.3f}×**"
+                top = _med(timed[torch_of[name]]["wall"]) / floor
+                ceiling = f"{top:.3f}×"
                 ok = _med(paired) >= RATIO_TARGET
                 summary.append(f"M={m} {name}/torch: {_med(paired):.3f}× "
-                               f"({'meets' if ok else 'misses'} {RATIO_TARGET}×)")
+                               f"({'meets' if ok else 'misses'} {RATIO_TARGET}×); the most "
+                               f"any runtime could reach here: {top:.3f}×")
                 if m == 8:
                     summary.append(f"M=8 {name} efficiency: {speed / ideal:.1%} "
                                    f"({'meets' if speed / ideal >= EFFICIENCY_TARGET else 'misses'}"
                                    f" {EFFICIENCY_TARGET:.0%})")
             lines.append(f"| {m} | {m * micro} | {name} | {med * 1e3:.1f} "
                          f"({(q[2] - q[0]) * 1e3:.1f}) | {1 / med:.2f} | {m * micro / med:.0f} "
-                         f"| {cores:.2f} | {speed:.2f}× (ideal {ideal:.2f}) | {eff} | {ratio} |")
+                         f"| {cores:.2f} | {speed:.2f}× (ideal {ideal:.2f}) | {eff} | {ratio} "
+                         f"| {ceiling} | "
+                         + " / ".join(f"{_med(c) * 1e3:.1f}" for c in timed[name]["main"])
+                         + " |")
     head = ["Quiet rounds per M: " + ", ".join(
         f"M={m}: {t['quiet']}/{t['rounds']}" for m, t in results.items()),
         f"Foreign load over the kept rounds: median {_med(foreign):.2f} cores, max "
         f"{max(foreign, default=float('nan')):.2f} (limit {args.max_foreign}); gradients of "
         f"every variant agree with the 1-process ones to "
         f"{max(t['grad_error'] for t in results.values()):.1e} (max relative difference).",
-        ""]
+        "Ceiling of seqpipe/torch: torch's step over the compute floor (the 2 halves row: "
+        "each rank its half at the same time, no communication) times (M+1)/M (a 2-stage "
+        "pipeline's bubble), the fastest any runtime could run this split here: "
+        + "; ".join(floors) + ".", ""]
     return head + lines + ["", "Targets:", *(f"- {line}" for line in summary)]
 
 
