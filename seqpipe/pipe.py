@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from seqpipe.core.arguments import check_checkpoint_every, check_chunks
 from seqpipe.core.batchnorm import convert_deferred_batch_norm
+from seqpipe.core.caller_grads import input_grad
 from seqpipe.core.checkpoint import check_mode, checkpoint_stop
 from seqpipe.core.fixed_layers import FixedLayers
 from seqpipe.core.loss_weights import CountFn
@@ -35,7 +36,7 @@ from seqpipe.local.forward_ad import refuse_dual
 from seqpipe.local.outer_checkpoint import refuse_outer_checkpoint
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.local.step import LocalRun
-from seqpipe.local.train_step import TrainStep, ddp_replicas, input_grad
+from seqpipe.local.train_step import TrainStep, ddp_replicas
 from seqpipe.local.untraceable import refuse_tracing
 from seqpipe.schedule import AnySchedule
 from seqpipe.skip.layout import inspect_skip_layout

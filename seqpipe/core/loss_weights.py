@@ -39,14 +39,15 @@ import sys
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from seqpipe.core.caller_grads import TargetLeaves
 from seqpipe.core.microbatch import Batch, Input
 
-__all__ = ["CountFn", "IGNORED_LABEL", "LossWeights", "Replicas", "loss_weights"]
+__all__ = ["CountFn", "IGNORED_LABEL", "LossWeights", "Replicas", "joined", "loss_weights"]
 
 CountFn = Callable[[Any], Union[int, float, Tensor]]
 IGNORED_LABEL = -100  # torch's cross_entropy ignore_index, Hugging Face's label padding
@@ -80,10 +81,17 @@ class LossWeights:
     targets: List[Any]
     weights: List[float]
     reported: float = 1.0
+    leaves: Optional[TargetLeaves] = None  # what the target's tensors that want a gradient
+    # accumulate into (``seqpipe.core.caller_grads``)
 
     def report(self, weighted_sum: Tensor) -> Tensor:
         """The mini-batch loss ``train_step`` returns, from the weighted losses' sum."""
         return weighted_sum if self.reported == 1.0 else weighted_sum * self.reported
+
+    def target_grads(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """Each of the caller's target tensors that wants a gradient, with the step's
+        gradient of it (for ``caller_grads.hand_over``, after the step's backwards)."""
+        return self.leaves.pairs() if self.leaves is not None else []
 
 
 def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
@@ -95,7 +103,10 @@ def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
         raise ValueError("the target is None, but the last stage needs it for the loss; "
                          "pass it (to DistributedPipe, on the rank that holds the last "
                          "stage: pipe.is_last)")
-    given = Input.of(target)
+    leaves: Optional[TargetLeaves] = TargetLeaves(target)  # a target from the caller's
+    given = Input.of(leaves.value)  # graph is cut from leaves of its tensors
+    if leaves.value is target:  # none of them wants a gradient
+        leaves = None
     pieces = given.scatter(m)
     if len(pieces) != m:
         raise ValueError(f"the target has {given.size} samples but the input was cut into "
@@ -104,7 +115,7 @@ def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
     if count_fn is None:
         sizes = given.sizes(pieces)
         _warn_if_uneven(given, pieces, sizes)
-        return LossWeights(targets, [n / given.size for n in sizes])
+        return LossWeights(targets, [n / given.size for n in sizes], leaves=leaves)
     if not callable(count_fn):
         raise TypeError(f"count_fn must be callable as count_fn(target), got "
                         f"{type(count_fn).__name__}")
@@ -112,7 +123,35 @@ def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
     total, size = (local, 1) if replicas is None else (replicas.sum(local), replicas.size)
     weight = size / total if total else 0.0  # nothing counted: the sums are 0, so is the loss
     reported = total / (size * local) if local else 0.0
-    return LossWeights(targets, [weight] * m, reported)
+    return LossWeights(targets, [weight] * m, reported, leaves)
+
+
+class _Joined(torch.autograd.Function):
+    """A micro-batch loss that does not depend on the outputs, joined to them with a zero
+    gradient (zeros of their shapes, not ``0 * output``, which an ``inf`` would make NaN)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, *outputs: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.like = [(o.shape, o.dtype, o.device) for o in outputs]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        return (None, *[torch.zeros(shape, dtype=dtype, device=device)
+                        for shape, dtype, device in ctx.like])
+
+
+def joined(loss: Tensor, outputs: Sequence[Tensor]) -> Tensor:
+    """``loss`` as the stage's backward can start from it. A ``loss_fn`` may return a
+    constant for a micro-batch that counts nothing (``if not mask.any(): return
+    out.new_zeros(())``), which the plain model never meets on the whole batch; its
+    backward would fail (autograd has no edge to start from). Such a loss is joined to the
+    outputs that require grad with a zero gradient: the micro-batch adds nothing, as in the
+    plain model."""
+    if loss.requires_grad:
+        return loss
+    wanting = [o for o in outputs if o.requires_grad]
+    return _Joined.apply(loss, *wanting) if wanting else loss
 
 
 def _count(value: object) -> float:

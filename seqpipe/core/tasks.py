@@ -34,6 +34,7 @@ from typing import (
 import torch
 from torch import Tensor
 
+from seqpipe.core.loss_weights import joined
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Grads, Received, Sent, Stage, TaskState
@@ -72,7 +73,7 @@ def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
                    else type(loss).__name__)
             raise TypeError(f"loss_fn must return a scalar tensor (one number, e.g. a "
                             f"mean-reduced loss), got {got}")
-        return loss.reshape(()) * weight
+        return joined(loss.reshape(()), outputs.tensors) * weight
 
 
 class Tasks:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from seqpipe.core.caller_grads import hand_over, input_grad
 from seqpipe.core.checkpoint import checkpoint_stop
 from seqpipe.core.grad_mode import check_grad_enabled
 from seqpipe.core.loss_weights import CountFn, LossWeights, loss_weights
@@ -310,6 +311,8 @@ class CallLifecycle:
         with call.guard("end of the step"):
             for stage in self.stages.values():
                 stage.finish_forward()
+            if (self.is_first and call.input_grads) or weights.leaves is not None:
+                hand_over(self._caller_grads(call, input, batches, weights))
             loss = self.close(call, weights.report(torch.stack(call.losses).sum())
                               if self.is_last else None)
             self._reduce(call.name())
@@ -317,6 +320,18 @@ class CallLifecycle:
             sharded.close()
         assert loss is not None
         return loss
+
+    def _caller_grads(self, call: Call, input: Optional[TensorOrTensors],
+                      batches: Sequence[Batch], weights: LossWeights
+                      ) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """The step's gradients of the caller's input (on stage 0's rank) and target (on
+        the last stage's), for the caller's graph (``seqpipe.core.caller_grads``)."""
+        pairs = weights.target_grads()
+        if self.is_first and call.input_grads:
+            given = Input.of(input)
+            pairs += [(t, input_grad(given, j, batches, call.input_grads))
+                      for j, t in enumerate(given.batch.tensors)]
+        return pairs
 
     def _reduce(self, where: str) -> None:
         """The end of a train step: the data-parallel mean (and buffer broadcast; a

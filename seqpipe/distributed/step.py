@@ -87,6 +87,8 @@ class Call(Tasks):
     states: Dict[Tuple[int, int], TaskState] = field(default_factory=dict)
     outputs: List[Batch] = field(default_factory=list)
     losses: List[Tensor] = field(default_factory=list)
+    input_grads: List[Tuple[Optional[Tensor], ...]] = field(default_factory=list)  # stage
+    # 0's input, per micro-batch: for the caller's graph (``seqpipe.core.caller_grads``)
     at: Any = "the start of the step"  # what runs now: a description, or an Action
     timer: Optional[ActionTimer] = None  # times each stage computation (schedule="auto")
     replica: Optional[int] = None  # this pipeline's index in the data-parallel group
@@ -265,6 +267,10 @@ class Call(Tasks):
         rank = self.placement.rank_of
         if s > 0:
             self.send(rank(s - 1), Kind.GRAD, i, received.inputs, origin=s)
+        elif any(g is not None for g in received.inputs):
+            if not self.input_grads:
+                self.input_grads = [()] * self.microbatches
+            self.input_grads[i] = received.inputs
         for key, grad in received.skips.items():
             self.send(rank(self.layout.stash_partition(*key)), Kind.SKIP_GRAD, i, [grad],
                       key=self.key_index(key), origin=s)

@@ -29,15 +29,16 @@ backward of DDP's output: the reducer averages the gradients once per mini-batch
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from seqpipe.core.caller_grads import input_grad
 from seqpipe.core.checkpoint import checkpoint_stop
 from seqpipe.core.grad_mode import check_grad_enabled
 from seqpipe.core.loss_weights import CountFn, Replicas, loss_weights
-from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather_grad
+from seqpipe.core.microbatch import Input, TensorOrTensors
 from seqpipe.core.tasks import LossFn
 from seqpipe.local.pipeline import LocalPipeline
 from seqpipe.schedule import (
@@ -52,7 +53,7 @@ from seqpipe.schedule import (
 from seqpipe.schedule.protocol import staged_orders
 from seqpipe.schedule.registry import SCHEDULES, normalized
 
-__all__ = ["TrainStep", "ddp_replicas", "input_grad", "local_actions"]
+__all__ = ["TrainStep", "ddp_replicas", "local_actions"]
 
 ONE_STAGE_SCHEDULES = ("fill_drain", "gpipe", "1f1b", "zb_h1", "zb_h2")
 
@@ -134,19 +135,6 @@ def _local_actions(schedule: Union[str, AnySchedule], num_partitions: int,
     return staged_orders(resolved, ranks, num_microbatches)
 
 
-def input_grad(given: Input, j: int, microbatches: Sequence[Batch],
-               grads: Sequence[Tuple[Optional[Tensor], ...]]) -> Optional[Tensor]:
-    """The gradient of the ``j``-th input tensor of ``given`` from the first stage's
-    per-micro-batch input gradients ``grads`` (summed for a ``NoChunk`` tensor); ``None``
-    if it has none."""
-    tensor = given.batch.tensors[j]
-    if not tensor.requires_grad:
-        return None
-    pieces = [g[j] if g else None for g in grads]
-    return gather_grad(pieces, [mb.tensors[j] for mb in microbatches], given.whole[j],
-                       tensor.device)
-
-
 def ddp_replicas(ddp: nn.Module, device: torch.device) -> Replicas:
     """The replicas of a ``DistributedDataParallel`` (its process group), for summing a
     step's count over them; read through the group itself, so that the local engine
@@ -197,6 +185,8 @@ class TrainStep:
         self.params: List[nn.Parameter] = []
         self._sums: Dict[nn.Parameter, Tensor] = {}
         self._input_grads: List[Tuple[Optional[Tensor], ...]] = []
+        self._targets: List[Tuple[Tensor, Optional[Tensor]]] = []  # the target's, from
+        # the caller's graph (``seqpipe.core.caller_grads``)
 
     def run(self, pipeline: LocalPipeline, mode: str) -> Tensor:
         """Run the step on the pipe's ``pipeline`` under checkpoint ``mode`` (``"never"``
@@ -210,12 +200,16 @@ class TrainStep:
         assert run.sink is not None
         self._sums = dict(run.sink.take())
         self._input_grads = run.input_grads
+        self._targets = self.weights.target_grads()
         self.params = run.sink.params  # the pipe's trainable parameters
-        return _Handoff.apply(self, *self.batch.tensors, *self.params)
+        return _Handoff.apply(self, *self.batch.tensors, *[t for t, _ in self._targets],
+                              *self.params)
 
     def take_grads(self) -> List[Optional[Tensor]]:
-        """The inputs' then the parameters' gradients, letting go of them here."""
+        """The inputs', the target's then the parameters' gradients, letting go of them
+        here."""
         inputs = [input_grad(self.input, j, self.microbatches, self._input_grads)
                   for j in range(len(self.batch.tensors))]
-        sums, self._sums, self._input_grads = self._sums, {}, []
-        return inputs + [sums.get(p) for p in self.params]
+        targets = [g for _, g in self._targets]
+        sums, self._sums, self._input_grads, self._targets = self._sums, {}, [], []
+        return inputs + targets + [sums.get(p) for p in self.params]
