@@ -122,14 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="keep only steps during which other processes used at most this "
                              "many cores (negative: keep every step)")
     parser.add_argument("--max-rounds", type=int, default=None)
-    parser.add_argument("--lend-under-load", action="store_true",
-                        help="let a lone stage take all T threads whatever the load average "
-                             "(thread_state.machine_has_room always true)")
     args = parser.parse_args(argv)
-    if args.lend_under_load:
-        thread_state.machine_has_room = lambda threads: True  # type: ignore[assignment]
-    print(f"# a lone stage takes all {DEFAULT_THREADS} threads now: "
-          f"{thread_state.machine_has_room(DEFAULT_THREADS)}")
     pin_malloc()
     max_foreign = args.max_foreign if args.max_foreign >= 0 else None
     print(f"# {machine([DEFAULT_THREADS])}")

@@ -3,7 +3,9 @@
 The data is synthetic but learnable (each class is a fixed random image plus noise), so the
 loss visibly falls without any download. The model is split over the default devices — every
 GPU if there are several, else two ``cpu`` partitions — with a balance chosen by profiling,
-and its throughput is shown beside the same model's, unpipelined.
+and its step time is shown beside the same model's, unpipelined, whose steps are taken
+between the pipelined ones (``seqpipe.demo_baseline.Beside``). With the same ``--seed``,
+devices and thread count every run prints the same losses, bit for bit.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpipe.balance import balance_by_params, balance_by_size, balance_by_time
-from seqpipe.demo_baseline import make_data, print_baselines, unpipelined_rate
+from seqpipe.demo_baseline import Beside, make_data, unpipelined_rate
 from seqpipe.pipe import Pipe
 from seqpipe.schedule import SCHEDULES, get_schedule, placement_of, simulate
 from seqpipe.trace import Recorder, record
@@ -178,29 +180,36 @@ StepFn = Callable[[Tensor, Tensor], float]
 
 
 def _train(step_fn: StepFn, data: Iterator[Tuple[Tensor, Tensor]], steps: int,
-           talk: bool, baseline: float = float("nan")) -> Tuple[float, Recorder]:
+           talk: bool, baseline: float = float("nan"), beside: Optional[Beside] = None
+           ) -> Tuple[float, Recorder, List[float]]:
     """Run ``step_fn(images, labels) -> loss`` over ``data``; print the loss and the rate
-    so far, beside the ``baseline`` rate of the unpipelined model. The last step runs
-    inside ``seqpipe.trace.record()``: its recorder is returned."""
-    start, seen, loss_value = time.perf_counter(), 0, float("nan")
+    so far, beside the ``baseline`` rate of the unpipelined model, or, with ``beside``, let
+    its copies take a step after each pipelined one. The last step runs inside
+    ``seqpipe.trace.record()``: its recorder is returned, and every step's seconds."""
+    seen, loss_value, times = 0, float("nan"), []
     recorder = record()
     for step, (images, labels) in enumerate(data, 1):
+        start = time.perf_counter()
         if step == steps:
             with recorder:
                 loss_value = step_fn(images, labels)
         else:
             loss_value = step_fn(images, labels)
+        times.append(time.perf_counter() - start)
+        if beside is not None:
+            beside.step(images, labels)
         seen += len(images)
         if talk and (step == 1 or step % 5 == 0 or step == steps):
-            rate = seen / (time.perf_counter() - start)
+            rate = seen / sum(times)
+            against = "" if beside is not None else f"; unpipelined {baseline:.1f}"
             print(f"step {step:3d}/{steps}  loss {loss_value:.4f}  {rate:8.1f} samples/s "
-                  f"(running average; unpipelined {baseline:.1f})", flush=True)
-    elapsed = time.perf_counter() - start
+                  f"(running average{against})", flush=True)
+    elapsed = sum(times)
     if talk:
+        against = "" if beside is not None else f" against {baseline:.1f} unpipelined"
         print(f"done: {seen} samples in {elapsed:.2f} s, {seen / elapsed:.1f} samples/s "
-              f"pipelined against {baseline:.1f} unpipelined; final loss {loss_value:.4f}",
-              flush=True)
-    return loss_value, recorder
+              f"pipelined{against}; final loss {loss_value:.4f}", flush=True)
+    return loss_value, recorder, times
 
 
 def _show_trace(recorder: Recorder, directory: Optional[pathlib.Path]) -> None:
@@ -234,21 +243,20 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     torch.manual_seed(args.seed)
     partitions, devices = local_devices(args)
     model = build_model()
-    device = torch.device(devices[0])
-    baseline = unpipelined_rate(model, device, args)
-    same_work = unpipelined_rate(model, device, args, chunks=args.chunks,
-                                 checkpoint=args.checkpoint)
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+
+    beside = Beside(model, torch.device(devices[0]), args, sgd, nn.CrossEntropyLoss())
     pipe = local_pipe(model, sample_batch(args.batch, args.seed), partitions, devices, args,
                       deferred_batch_norm=True)
     print(f"seqpipe demo: {len(model)} layers split as balance={pipe.balance} "
           f"(by {args.balance_by}) over {[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(model, pipe.balance, pipe.devices, "partition")
-    print_baselines(baseline, same_work, device, pipe.devices, args)
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
-    return train_locally(pipe, optimizer, nn.CrossEntropyLoss(),
+    return train_locally(pipe, sgd(pipe.parameters()), nn.CrossEntropyLoss(),
                          make_data(args.steps, args.batch, seed=args.seed), args,
-                         threads=partitions, baseline=baseline)
+                         threads=partitions, beside=beside)
 
 
 def local_pipe(model: nn.Sequential, sample: Tensor, partitions: int, devices: List[str],
@@ -274,10 +282,11 @@ def local_devices(args: argparse.Namespace) -> Tuple[int, List[str]]:
 
 def train_locally(pipe: Pipe, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Tensor],
                   data: Iterator[Tuple[Tensor, Tensor]], args: argparse.Namespace, *,
-                  threads: int, baseline: float = float("nan")) -> float:
+                  threads: int, beside: Beside) -> float:
     """``args.steps`` steps of ``pipe.train_step`` under ``args.schedule`` (on ``threads``
-    threads); print the loss beside the unpipelined ``baseline`` rate, the clock and the
-    last step's trace; return the last loss."""
+    threads), each followed by a step of the unpipelined copies ``beside``; print the
+    loss, the step times beside theirs, the clock and the last step's trace; return the
+    last loss."""
 
     def step(inputs: Tensor, targets: Tensor) -> float:
         optimizer.zero_grad()
@@ -286,7 +295,8 @@ def train_locally(pipe: Pipe, optimizer: torch.optim.Optimizer, loss_fn: Callabl
         optimizer.step()
         return loss.item()
 
-    loss_value, recorder = _train(step, data, args.steps, talk=True, baseline=baseline)
+    loss_value, recorder, times = _train(step, data, args.steps, talk=True, beside=beside)
+    beside.report(times, pipe.devices)
     _print_schedule(args.schedule, threads, min(args.chunks, args.batch), "thread")
     _show_trace(recorder, args.trace)
     return loss_value
@@ -307,21 +317,19 @@ def run_gpt2(args: argparse.Namespace) -> float:
     def loss_fn(logits: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-    def data(steps: int) -> Iterator[Tuple[Tensor, Tensor]]:
-        return make_tokens(steps, args.batch, args.seed + 1)
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2)
 
-    rates = [unpipelined_rate(model, device, args, 10, data=data, loss_fn=loss_fn, **work)
-             for work in ({}, {"chunks": args.chunks, "checkpoint": args.checkpoint})]
+    beside = Beside(model, device, args, adamw, loss_fn)
     pipe = local_pipe(seq, sample, partitions, devices, args)
     print(f"seqpipe demo: TinyGPT converted by to_sequential into {len(seq)} layers, "
           f"balance={pipe.balance} (by {args.balance_by}) over "
           f"{[str(d) for d in pipe.devices]}, chunks={args.chunks}, "
           f"checkpoint={args.checkpoint!r}, schedule={args.schedule!r}")
     _describe_stages(seq, pipe.balance, pipe.devices, "partition")
-    print_baselines(*rates, device, pipe.devices, args)
-    return train_locally(pipe, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
+    return train_locally(pipe, adamw(model.parameters()), loss_fn,
                          make_tokens(args.steps, args.batch, args.seed), args,
-                         threads=partitions, baseline=rates[0])
+                         threads=partitions, beside=beside)
 
 
 def run_distributed(args: argparse.Namespace) -> float:
@@ -367,8 +375,8 @@ def run_distributed(args: argparse.Namespace) -> float:
         optimizer.step()
         return loss.item()
 
-    loss_value, recorder = _train(step, make_data(args.steps, args.batch, seed=args.seed),
-                                  args.steps, talk=rank == 0, baseline=baseline)
+    loss_value, recorder, _ = _train(step, make_data(args.steps, args.batch, seed=args.seed),
+                                     args.steps, talk=rank == 0, baseline=baseline)
     if rank == 0:  # holds every rank's events, gathered when the last step's block ended
         ran = pipe.auto_choice.name if pipe.auto_choice is not None else args.schedule
         _print_schedule(ran, world, min(args.chunks, args.batch), "rank")

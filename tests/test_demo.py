@@ -60,32 +60,39 @@ def test_local_run_trains_and_shows_the_clock(capsys: pytest.CaptureFixture) -> 
     assert "partition 0 on cpu:" in out and "partition 1 on cpu:" in out
     assert "schedule '1f1b', 2 stages x 4 micro-batches" in out and "bubble 20%" in out
     assert "thread 0: F0 F1 " in out and "thread 1: .  F0 B0 " in out  # no ranks here
-    assert "samples/s (running average; unpipelined " in out
-    assert "samples/s pipelined against " in out and " unpipelined; final loss " in out
-    assert ("in the pipeline's 4 micro-batches with checkpoint='except_last', still "
-            "unpipelined: ") in out
+    assert "samples/s (running average)" in out and "samples/s pipelined; final loss " in out
+    assert "  unpipelined,  4 micro-batches " in out
+    assert "(checkpoint='except_last': the pipeline's work without the pipeline)" in out
+    assert "the pipelined step takes " in out and "nan" not in out
     assert out.strip().splitlines()[-1].startswith("trace: 1 step, ")  # the last step's
 
 
 def test_on_cpu_the_demo_says_why_the_pipeline_is_slower(capsys: pytest.CaptureFixture,
                                                          monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    """Two ``cpu`` partitions share the cores the unpipelined model's intra-op threads
-    already use: the demo says so beside its numbers, and not when there is one thread."""
+    """The report gives the median steps, splits the pipelined one's ratio into the work
+    the settings ask for and the pipeline's own; two ``cpu`` partitions share the cores
+    the unpipelined model's intra-op threads already use: the demo says so, and not when
+    there is one thread."""
     import torch
+    from torch import nn
 
-    from seqpipe.demo_baseline import print_baselines
+    from seqpipe.demo_baseline import Beside
 
-    args = parse_args(["--chunks", "2", "--checkpoint", "never"])
+    args = parse_args(["--chunks", "2", "--checkpoint", "never", "--batch", "32"])
+    beside = Beside(nn.Linear(2, 2), torch.device("cpu"), args, torch.optim.SGD, nn.MSELoss())
+    beside.times = {"whole": [0.02, 0.01, 0.02], "same": [0.025, 0.03, 0.025]}
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    print_baselines(1600.0, 1200.0, torch.device("cpu"), ["cpu", "cpu"], args)
+    beside.report([0.05, 0.04, 0.06], ["cpu", "cpu"])
     out = capsys.readouterr().out
-    assert out.startswith("unpipelined on cpu: 1600.0 samples/s; in the pipeline's 2 "
-                          "micro-batches with checkpoint='never', still unpipelined: "
-                          "1200.0 samples/s\n")
+    assert "  pipelined                        50.0 ms    640.0 samples/s\n" in out
+    assert "  unpipelined                      20.0 ms   1600.0 samples/s  final loss nan" in out
+    assert "  unpipelined,  2 micro-batches    25.0 ms   1280.0 samples/s" in out
+    assert ("the pipelined step takes 2.50x the unpipelined one: 1.25x for the micro-batches "
+            "and recomputation these settings ask for, 2.00x for the pipeline itself") in out
     assert "with 2 intra-op threads" in out and "has no idle device to fill" in out
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    print_baselines(1600.0, 1200.0, torch.device("cpu"), ["cpu", "cpu"], args)
+    beside.report([0.05, 0.04, 0.06], ["cpu", "cpu"])
     assert "intra-op" not in capsys.readouterr().out
 
 
@@ -131,7 +138,7 @@ def test_gpt2_tiny_is_converted_and_learns(capsys: pytest.CaptureFixture) -> Non
     out = capsys.readouterr().out
     assert "TinyGPT converted by to_sequential into 8 layers" in out
     assert "partition 0 on cpu: tok, pos, blocks.0" in out  # units by their names
-    assert "unpipelined on cpu: " in out and "nan" not in out  # the plain TinyGPT's rate
+    assert "  unpipelined    " in out and "nan" not in out  # the plain TinyGPT's step
     first = float(out.split("step   1/12  loss ")[1].split()[0])
     assert loss < first - 1.0, (first, loss)  # ln(32) = 3.47 at first: it learns
 

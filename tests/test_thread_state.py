@@ -223,13 +223,6 @@ def test_concurrent_stages_share_the_default_intra_op_threads(caller, concurrent
     assert stage_threads(caller, concurrent, default) == share
 
 
-@pytest.mark.parametrize("load, room", [(0.5, True), (2.9, True), (3.0, False), (12.0, False)])
-def test_a_machine_has_room_for_a_team_while_its_load_is_under_the_team_and_one(
-        monkeypatch, load, room):
-    monkeypatch.setattr(thread_state.os, "getloadavg", lambda: (load, 0.0, 0.0))
-    assert thread_state.machine_has_room(2) is room
-
-
 Task = Tuple[str, int, float, float]  # thread, intra-op threads, start, end
 
 
@@ -237,13 +230,12 @@ def _overlap(a: Task, b: Task) -> bool:
     return a[0] != b[0] and a[2] < b[3] and b[2] < a[3]
 
 
-@pytest.mark.parametrize("caller, share, room", [  # default 2; 3 set by the user
-    (2, 1, True), (3, 3, True), (2, 1, False)])
+@pytest.mark.parametrize("caller, share", [(2, 1), (3, 3)])  # default 2; 3 set by the user
 def test_stage_threads_share_the_default_count_and_take_it_all_when_alone(
-        monkeypatch, caller, share, room):
+        monkeypatch, caller, share):
     """While another stage can compute, a stage thread runs at its share; an action during
     which none can (stage 0's first forward, stage 1's last, the ends of the backward) takes
-    the caller's whole default count if the machine has ``room``; two actions at the same
+    the caller's whole default count, whatever the machine's load; two actions at the same
     time never run more intra-op threads than the caller has. A count the user set is every
     stage's, throughout. The caller gets its own count back."""
     tasks: List[Task] = []
@@ -274,7 +266,6 @@ def test_stage_threads_share_the_default_count_and_take_it_all_when_alone(
             return Backward.apply(super().forward(x))
 
     monkeypatch.setattr(thread_state, "_DEFAULT_THREADS", 2)
-    monkeypatch.setattr(thread_state, "machine_has_room", lambda threads: room)
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Both(), nn.Linear(4, 4), Both()),
                 chunks=4, balance=[2, 2], devices=["cpu", "cpu"], checkpoint="never")
     torch.set_num_threads(caller)
@@ -285,7 +276,7 @@ def test_stage_threads_share_the_default_count_and_take_it_all_when_alone(
         torch.set_num_threads(1)
     assert len(tasks) == 16  # two stages, four micro-batches, forward and backward
     assert after == caller
-    if share == caller or not room:
+    if share == caller:
         assert {n for _, n, _, _ in tasks} == {share}
         return
     assert {n for _, n, _, _ in tasks} == {share, caller}

@@ -20,7 +20,8 @@ there, both a ``GradSink`` (what the engines and stages hold), chosen per call b
   autograd records the aliases instead of the parameters, so the backward accumulates into
   the aliases' ``.grad`` in place, layer by layer, and no hook of the real parameters
   fires. ``take`` then hands the sums over, once. A parameter used by two partitions (tied
-  weights, a shared module) has one alias, into which both stages accumulate.
+  weights, a shared module) has one alias, into which both stages accumulate (the local
+  engine in a fixed order: ``shared_leaves``, ``seqpipe.local.tie_order``).
 
 Both keep one set of gradients, as the unpipelined model does (asking
 ``torch.autograd.grad`` for each micro-batch's gradients and adding them up would hold a
@@ -66,6 +67,7 @@ from seqpipe.core.trainable import (
     Trainable,
     ddp_forward_running,
     needs_aliases,
+    shared,
     step_aware,
     trainable,
 )
@@ -212,6 +214,12 @@ class GradSink:
         (its ``inputs=``)."""
         raise NotImplementedError
 
+    _shared: List[Tensor] = []
+
+    def shared_leaves(self) -> List[Tensor]:
+        """Where each parameter that several partitions use accumulates (it, or its alias)."""
+        return self._shared
+
     def hold(self, whole: bool = False) -> None:
         """Before the call's first backward, where the sums are to be handed to autograd
         (the local engine's autograd Function). ``whole``: that autograd call is a backward
@@ -245,6 +253,7 @@ class AliasSink(GradSink):
             by_alias.update((id(a), p) for p, a in zip(mine, leaves))
             self._modes.append(_Substitute(self._aliases, by_alias, mine, leaves))
             self._leaves.append(leaves)
+        self._shared = [self._aliases[id(p)] for p in shared(self._own)]
 
     def _alias_of(self, param: nn.Parameter) -> Tensor:
         if id(param) not in self._aliases:
@@ -311,6 +320,7 @@ class DirectSink(GradSink):
             ids = [{id(p) for p in mine} for mine in own]
             self._weights = [[*mine, *(p for p in self.params if id(p) not in seen)]
                              for mine, seen in zip(own, ids)]
+        self._shared: List[Tensor] = list(shared(own))
         self._before: Optional[List[Tuple[nn.Parameter, Tensor]]] = None  # see ``hold``
         self._in_place = False  # the sums stay in ``.grad`` (``hold``)
         self._hidden: Optional[Hidden] = None  # hooks registered since the forward

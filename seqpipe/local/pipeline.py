@@ -25,6 +25,7 @@ from seqpipe.core.tasks import LossFn
 from seqpipe.local.direct import SECOND_BACKWARD
 from seqpipe.local.step import LocalRun, LocalStep
 from seqpipe.local.thread_state import ThreadState
+from seqpipe.local.tie_order import TieOrder
 from seqpipe.local.worker import Program, run_groups
 from seqpipe.schedule import Action, FillDrain, Phase, Schedule, backward_phase, forward_phase
 from seqpipe.skip.layout import SkipLayout
@@ -131,13 +132,18 @@ class LocalPipeline:
         sink = run.sink
         if sink is not None:
             sink.hold(whole)  # .grad put aside for the sums (or left to them: ``whole``)
+        ties = _tie_order(sink)
         try:
             run_groups([inline, *threaded] if inline else threaded, step.mailbox,
                        ThreadState(concurrent=len(threaded), devices=self.devices))
         except BaseException:  # .grad as it was before the call
+            if ties is not None:
+                ties.close()
             if sink is not None:
                 sink.drop()
             raise
+        if ties is not None:
+            ties.flush()
         sums = dict(sink.take()) if sink is not None else {}  # .grad as before the call
         hooks.end_step(run.trace_step)
         return sums
@@ -167,9 +173,23 @@ class LocalPipeline:
         step = LocalStep(self.stages, self.layout, run, checkpoint_stop=checkpoint_stop,
                          seeds=self._seeds(m), split=split, from_loss=True)
         self._put_inputs(step, batches)
-        self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
-                                  for rank in actions],
-                           concurrent=sum(self.devices[rank[0].stage].type == "cpu"  # type: ignore[index]
-                                          for rank in actions))
+        ties = _tie_order(run.sink)
+        try:
+            self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
+                                      for rank in actions],
+                               concurrent=sum(self.devices[rank[0].stage].type == "cpu"  # type: ignore[index]
+                                              for rank in actions))
+        finally:
+            if ties is not None:
+                ties.close()
+        if ties is not None:
+            ties.flush()
         hooks.end_step(run.trace_step)
         return run, torch.stack(step.losses).sum()
+
+
+def _tie_order(sink: Optional[GradSink]) -> Optional[TieOrder]:
+    """The fixed order for the gradients of the parameters several partitions use
+    (``seqpipe.local.tie_order``), if there are any."""
+    leaves = sink.shared_leaves() if sink is not None else []
+    return TieOrder(leaves) if leaves else None

@@ -26,13 +26,13 @@ run ``K × T`` compute threads on ``T`` cores. The split applies while ``T`` is 
 default (the count the process had when seqpipe was imported, which follows
 ``OMP_NUM_THREADS``); a count the user set with ``torch.set_num_threads`` to another
 value is the user's choice and every stage gets it as it is. While the split applies, an
-action during which no other stage can compute (the pipeline's fill and drain) takes all
-``T`` (``IntraOp``), if the machine has room for them (``machine_has_room``).
+action during which no other stage can compute, whatever the timing (the pipeline's fill
+and drain), takes all ``T`` (``IntraOp``); which actions those are follows from the
+schedule alone (``seqpipe.local.lone``), so every run uses the same thread counts.
 """
 from __future__ import annotations
 
 import contextvars
-import os
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 
 from seqpipe.core.stream import on_stream
 
-__all__ = ["IntraOp", "ThreadState", "machine_has_room", "stage_threads"]
+__all__ = ["IntraOp", "ThreadState", "stage_threads"]
 
 _DEFAULT_THREADS = torch.get_num_threads()  # torch's default, before any user change
 _AUTOCAST_KINDS = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -101,31 +101,16 @@ def intra_op_threads(count: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def machine_has_room(threads: int) -> bool:
-    """Whether the machine's 1-minute load average is under ``threads + 1``: no more work
-    runnable than this process's own ``threads`` and one more.
-
-    A team of ``threads`` OpenMP threads is only fast while each gets a core: when other
-    processes keep the cores busy, every parallel region waits for a descheduled team mate
-    (on the 2-core development machine at load 6, torch's own 2-thread kernels ran a step
-    3.4× slower than 1-thread ones). So ``IntraOp`` lends a lone stage the whole count only
-    while the machine has room for it. Unknown (no ``getloadavg``): assumed to have room.
-    """
-    try:
-        return os.getloadavg()[0] < threads + 1
-    except OSError:
-        return True
-
-
 class IntraOp:
     """Per action, a CPU stage thread's intra-op threads while ``K`` share the caller's
-    ``T``: ``share`` (``T // K``) while another stage can compute at the same time, all ``T``
-    (``alone``) for an action during which none can: every other stage thread has finished
-    or waits for data that only this action's results will bring (the first micro-batch's
-    forward, the last one's on the last stage, the ends of the backward; see
-    ``seqpipe.local.worker``). So the pipeline's bubble runs at the plain model's
-    intra-op parallelism instead of leaving cores idle, and the threads busy at once
-    never exceed ``T``."""
+    ``T``: ``share`` (``T // K``) while another stage may compute at the same time, all ``T``
+    (``alone``) for an action during which none can, whatever the timing: every action of
+    every other stage thread either comes before it or waits for its results (the first
+    micro-batch's forward, the last one's on the last stage, the ends of the backward;
+    ``seqpipe.local.lone``). So the pipeline's fill and drain run at the plain model's
+    intra-op parallelism instead of leaving cores idle, the threads busy at once never
+    exceed ``T``, and each action's thread count, hence its kernels' order of summation,
+    is the same in every run."""
 
     def __init__(self, share: int, alone: int) -> None:
         self.share = share
@@ -166,9 +151,10 @@ class ThreadState:
 
     def intra_op(self, all_cpu: bool) -> Optional["IntraOp"]:
         """How the stage threads of one call (``all_cpu``: every one a ``cpu`` stage) set
-        their intra-op threads per action; ``None``: each keeps its share throughout (also
-        while the machine is busy: see ``machine_has_room``)."""
-        if not all_cpu or self.threads >= self.caller or not machine_has_room(self.caller):
+        their intra-op threads per action; ``None``: each keeps its share throughout.
+        Never decided by the machine's load or the timing: a count that changed with
+        them would change the results from run to run (``seqpipe.local.lone``)."""
+        if not all_cpu or self.threads >= self.caller:
             return None
         return IntraOp(self.threads, self.caller)
 

@@ -23,14 +23,22 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 
 from seqpipe.local import pool
+from seqpipe.local.lone import lone_actions
 from seqpipe.local.thread_state import IntraOp, ThreadState
 from seqpipe.schedule import Action
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
 
-__all__ = ["Mailbox", "Program", "device_context", "run_groups"]
+__all__ = ["Mailbox", "Program", "current_group", "device_context", "run_groups"]
 
 _NOTHING = nullcontext()  # reusable and reentrant: one for every CPU action
+_running = threading.local()  # .group: the index of the group this thread runs, in a call
+
+
+def current_group() -> Optional[int]:
+    """Which group of programs of the running ``run_groups`` call this thread runs (its
+    index in ``groups``); ``None`` on any other thread (an autograd device thread)."""
+    return getattr(_running, "group", None)
 
 
 class _Aborted(Exception):
@@ -95,39 +103,19 @@ def device_context(device: torch.device) -> Any:
     return torch.accelerator.device_index(device.index)
 
 
-class _Board:
-    """What every worker thread of one ``run_groups`` call is doing, so that one starting an
-    action can tell whether any other could compute meanwhile (read and written under the
-    mailbox's lock, or in an order a reader there cannot misread)."""
-
-    def __init__(self, groups: Sequence[List[Program]]) -> None:
-        self.groups = groups
-        self.positions = [[0] * len(group) for group in groups]
-        self.busy = [False] * len(groups)
-
-    def _runnable(self, g: int) -> bool:
-        return self.busy[g] or any(
-            position < len(program.actions) and program.ready(program.actions[position])
-            for program, position in zip(self.groups[g], self.positions[g]))
-
-    def alone(self, g: int) -> bool:
-        """Whether worker ``g``'s next action is the only computation that can run until it
-        hands its results on: every other worker is finished or waits for data."""
-        return not any(self._runnable(h) for h in range(len(self.groups)) if h != g)
-
-
-def _drive(board: _Board, g: int, mailbox: Mailbox, threads: Optional[IntraOp]) -> None:
-    programs, positions = board.groups[g], board.positions[g]
+def _drive(programs: List[Program], mailbox: Mailbox, threads: Optional[IntraOp],
+           lone: Sequence[bool] = ()) -> None:
+    """Run ``programs`` (one thread's) to the end, each action once its inputs are there;
+    with ``threads``, each at its share of the intra-op threads, or at all of them where
+    ``lone`` (one flag per action of the thread's one program) says it runs alone."""
+    positions = [0] * len(programs)
     chosen: List[int] = []
-    alone = [False]
 
     def any_ready() -> bool:
         for k, program in enumerate(programs):
             if positions[k] < len(program.actions) and program.ready(
                     program.actions[positions[k]]):
                 chosen[:] = [k]
-                board.busy[g] = True
-                alone[0] = threads is not None and board.alone(g)
                 return True
         return False
 
@@ -140,7 +128,7 @@ def _drive(board: _Board, g: int, mailbox: Mailbox, threads: Optional[IntraOp]) 
         k = chosen[0]
         action = programs[k].actions[positions[k]]
         if threads is not None:
-            threads.take(alone[0])
+            threads.take(bool(lone) and lone[positions[k]])
         try:
             with device_context(programs[k].device):
                 programs[k].execute(action)
@@ -150,8 +138,7 @@ def _drive(board: _Board, g: int, mailbox: Mailbox, threads: Optional[IntraOp]) 
                          f"{action.phase.value} of micro-batch {action.microbatch}")
             raise
         finally:
-            positions[k] += 1  # before busy clears: a reader then sees the next action
-            board.busy[g] = False
+            positions[k] += 1
 
 
 def _waiting(programs: List[Program], positions: List[int]) -> Any:
@@ -185,21 +172,26 @@ def run_groups(groups: Sequence[List[Program]], mailbox: Mailbox,
     already has it, and only takes its share of the intra-op threads until all are joined.
     """
     errors: List[BaseException] = []
-    board = _Board(groups)
     threads = None if state is None else state.intra_op(
         all(p.device.type == "cpu" for group in groups for p in group))
+    lone: Sequence[Sequence[bool]] = [()] * len(groups)  # no action takes all the threads
+    if threads is not None and all(len(group) == 1 for group in groups):
+        lone = lone_actions([group[0].actions for group in groups])
 
     def work(g: int, replay: bool) -> None:
+        outer, _running.group = current_group(), g  # a pipe's call inside a stage: restored
         try:
             with ExitStack() as stack:
                 if state is not None and replay:
                     state.enter(stack)
-                _drive(board, g, mailbox, threads)
+                _drive(groups[g], mailbox, threads, lone[g])
         except _Aborted:
             pass
         except BaseException as exc:  # noqa: B902 - re-raised on the caller below
             errors.append(exc)
             mailbox.fail()
+        finally:
+            _running.group = outer
 
     others = [g for g in range(1, len(groups)) if groups[g]]
     workers = [(f"seqpipe-stage-{groups[g][0].stage}", threading.Event()) for g in others]
