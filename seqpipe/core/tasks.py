@@ -12,7 +12,8 @@ engine for those through four methods (``receive_forward``, ``send_forward``,
 The mini-batch loss is the sum of the micro-batch losses, each times a weight fixed before
 the step (``seqpipe.core.loss_weights``: its share of the samples, or one over the mini-batch's
 count), so that the loss and the gradients are those of the whole batch, whatever the
-micro-batches hold.
+micro-batches hold; the losses are added in micro-batch order (``loss_weights.in_order``),
+not in the order the schedule computed them.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from typing import (
     ContextManager,
     Dict,
     Iterator,
-    List,
     Mapping,
     Optional,
     Sequence,
@@ -90,7 +90,7 @@ class Tasks:
     seed: Optional[Tensor]  # the last stage's backward starts from it (loss scale), else 1
     split: Set[Tuple[int, int]]  # (stage, micro-batch) run as I then W
     states: Dict[Tuple[int, int], TaskState]
-    losses: List[Tensor]
+    losses: Dict[int, Tensor]  # the last stage's weighted micro-batch losses, by index
 
     @property
     def num_stages(self) -> int:
@@ -176,7 +176,7 @@ class Tasks:
             with self._computing(Phase.FORWARD, s, i, EventKind.LOSS):  # loss_fn: once
                 loss = self.stages[s].loss(
                     state, sent, lambda out: microbatch_loss(i, out, target, loss_fn, weight))
-            self.losses.append(loss.detach())
+            self.losses[i] = loss.detach()  # added in micro-batch order: ``in_order``
         else:
             self.send_forward(s, i, sent)
         if state is not None:

@@ -72,7 +72,7 @@ class LocalStep(Tasks):
         self.seed: Optional[Tensor] = None
         self.split = set(split)
         self.states = run.states
-        self.losses: List[Tensor] = []
+        self.losses: Dict[int, Tensor] = {}
         self.seeds = seeds
         self.from_loss = from_loss
         self.mailbox = Mailbox()
