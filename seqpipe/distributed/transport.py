@@ -120,14 +120,17 @@ class Transport:
     ``reverse``: the group carrying messages to lower stages (default: ``group`` itself).
     ``ahead``: post each peer's next receive as soon as the previous message is taken,
     else when the message is needed (default: ahead unless NCCL must share one group
-    between both directions).
+    between both directions). ``tag``: the tag of every message, the pipe's own, so that no
+    message an earlier pipe's failed call left on the group can match one of its receives
+    (``seqpipe.distributed.rebuild``).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device,
                  timeout: Optional[timedelta] = None, *,
                  reverse: Optional[dist.ProcessGroup] = None,
-                 ahead: Optional[bool] = None) -> None:
+                 ahead: Optional[bool] = None, tag: int = 0) -> None:
         self.group = group
+        self.tag = tag  # every message's (``seqpipe.distributed.rebuild``)
         self.reverse = reverse if reverse is not None else group
         self.device = device
         self.timeout = timeout
@@ -162,8 +165,9 @@ class Transport:
             first = self.failure.splitlines()[0] if self.failure else "a stage failed"
             raise RuntimeError(
                 f"this pipeline failed in an earlier call ({first}); messages of that call "
-                f"may still be in flight, so it cannot run another. Create a new process "
-                f"group (torch.distributed.new_group) and a new DistributedPipe on it")
+                f"may still be in flight, so it cannot run another. Build a new "
+                f"DistributedPipe, on this process group or a new one "
+                f"(torch.distributed.new_group): that call's messages cannot reach it")
 
     def expect(self, src: int, planned: Iterable["Planned"]) -> None:
         """The next messages stage ``src`` will send this one, in order."""
@@ -189,13 +193,13 @@ class Transport:
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
         work = _started(dist.isend(buffer, dst=self.global_rank(stage),
-                                   group=self.group_between(self.index, stage)))
+                                   group=self.group_between(self.index, stage), tag=self.tag))
         self.sent_bytes += buffer.numel() * buffer.element_size()
         self._pending[stage].append((taken_at, work, buffer, self._spares.ours(buffer)))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
         return _started(dist.irecv(buffer, src=self.global_rank(stage),
-                                   group=self.group_between(stage, self.index)))
+                                   group=self.group_between(stage, self.index), tag=self.tag))
 
     def _wait(self, work: dist.Work) -> None:
         work.wait() if self.timeout is None else work.wait(self.timeout)
