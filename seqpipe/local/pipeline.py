@@ -75,6 +75,13 @@ class LocalPipeline:
             hooks.end_step(run.trace_step)
         return run
 
+    def release(self, run: LocalRun) -> None:
+        """After a forward with grad whose outputs require none (``Pipe``: a frozen pipe
+        whose layers touched nothing that requires grad): nothing to backpropagate, so the
+        call's state goes now, as after a forward without grad."""
+        run.states.clear()
+        hooks.end_step(run.trace_step)
+
     def open_sink(self) -> GradSink:
         """Where one call's parameter gradients add up (``seqpipe.core.sink.open_sink``)."""
         return open_sink([stage.partition for stage in self.stages])
