@@ -216,9 +216,16 @@ class GradSink:
 
     _shared: List[Tensor] = []
 
+    own: Trainable = []  # per partition, its trainable parameters
+
     def shared_leaves(self) -> List[Tensor]:
         """Where each parameter that several partitions use accumulates (it, or its alias)."""
         return self._shared
+
+    def leaf_of(self, tensor: Tensor) -> Tensor:
+        """Where ``tensor`` accumulates when a layer uses it: its alias, for a parameter of
+        the pipeline under an ``AliasSink``, else itself."""
+        return tensor
 
     def hold(self, whole: bool = False) -> None:
         """Before the call's first backward, where the sums are to be handed to autograd
@@ -254,6 +261,11 @@ class AliasSink(GradSink):
             self._modes.append(_Substitute(self._aliases, by_alias, mine, leaves))
             self._leaves.append(leaves)
         self._shared = [self._aliases[id(p)] for p in shared(self._own)]
+        self.own = self._own
+
+    def leaf_of(self, tensor: Tensor) -> Tensor:
+        """``tensor``'s alias if it is a parameter of the pipeline, else itself."""
+        return self._aliases.get(id(tensor), tensor)
 
     def _alias_of(self, param: nn.Parameter) -> Tensor:
         if id(param) not in self._aliases:
@@ -321,6 +333,7 @@ class DirectSink(GradSink):
             self._weights = [[*mine, *(p for p in self.params if id(p) not in seen)]
                              for mine, seen in zip(own, ids)]
         self._shared: List[Tensor] = list(shared(own))
+        self.own = own
         self._before: Optional[List[Tuple[nn.Parameter, Tensor]]] = None  # see ``hold``
         self._in_place = False  # the sums stay in ``.grad`` (``hold``)
         self._hidden: Optional[Hidden] = None  # hooks registered since the forward

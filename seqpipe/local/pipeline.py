@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from seqpipe.core.held import held_ties
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.rng import draw_seeds, needs_private_rng
 from seqpipe.core.sink import GradSink, open_sink
@@ -139,7 +140,7 @@ class LocalPipeline:
         sink = run.sink
         if sink is not None:
             sink.hold(whole)  # .grad put aside for the sums (or left to them: ``whole``)
-        ties = _tie_order(sink)
+        ties = _tie_order(sink, [stage.partition for stage in self.stages])
         try:
             run_groups([inline, *threaded] if inline else threaded, step.mailbox,
                        ThreadState(concurrent=len(threaded), devices=self.devices))
@@ -181,7 +182,7 @@ class LocalPipeline:
         step = LocalStep(self.stages, self.layout, run, checkpoint_stop=checkpoint_stop,
                          seeds=self._seeds(m), split=split, from_loss=True)
         self._put_inputs(step, batches)
-        ties = _tie_order(run.sink)
+        ties = _tie_order(run.sink, [stage.partition for stage in self.stages])
         try:
             self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
                                       for rank in actions],
@@ -196,8 +197,16 @@ class LocalPipeline:
         return run, step.losses
 
 
-def _tie_order(sink: Optional[GradSink]) -> Optional[TieOrder]:
-    """The fixed order for the gradients of the parameters several partitions use
-    (``seqpipe.local.tie_order``), if there are any."""
-    leaves = sink.shared_leaves() if sink is not None else []
+def _tie_order(sink: Optional[GradSink], partitions: Sequence[nn.Module]
+               ) -> Optional[TieOrder]:
+    """The fixed order for the gradients of the tensors several partitions use
+    (``seqpipe.local.tie_order``), if there are any: parameters registered in several, and
+    tensors held outside registration (``seqpipe.core.held``)."""
+    if sink is None:
+        return None
+    leaves = sink.shared_leaves()
+    if len(partitions) > 1:
+        ties = {id(leaf) for leaf in leaves}
+        leaves = [*leaves, *(leaf for leaf in map(sink.leaf_of, held_ties(sink.own, partitions))
+                             if id(leaf) not in ties)]
     return TieOrder(leaves) if leaves else None
