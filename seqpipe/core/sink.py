@@ -46,12 +46,10 @@ autograd without passing through a torch function under the mode (a custom
 autograd records the real parameter: the stage's backward lists the real parameters too,
 so its gradient still lands, in ``.grad``, once per micro-batch.
 
-Under ``torch.compile`` the substitution is traced into the compiled graph; there it
-tells parameters apart by type rather than by looking up each tensor's ``id`` (which would
-make the compiled code guard on every activation's identity and recompile for each
-micro-batch). Outside compiled code, it costs one Python call per torch operation while a
-partition runs (the backward is not affected), which is why it is kept for the calls that
-need it: docs/pipe.md gives the measured figures.
+Under ``torch.compile`` the substitution is traced, telling parameters apart by type (an
+``id`` lookup would make compiled code guard on every activation and recompile per
+micro-batch). Outside it, it costs one Python call per torch operation while a partition
+runs, hence only for the calls that need it (figures: docs/pipe.md).
 """
 from __future__ import annotations
 
@@ -215,17 +213,12 @@ class GradSink:
         raise NotImplementedError
 
     _shared: List[Tensor] = []
-
     own: Trainable = []  # per partition, its trainable parameters
+    _aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias (``AliasSink``)
 
-    def shared_leaves(self) -> List[Tensor]:
-        """Where each parameter that several partitions use accumulates (it, or its alias)."""
-        return self._shared
-
-    def leaf_of(self, tensor: Tensor) -> Tensor:
-        """Where ``tensor`` accumulates when a layer uses it: its alias, for a parameter of
-        the pipeline under an ``AliasSink``, else itself."""
-        return tensor
+    def shared_leaves(self, held: Sequence[Tensor] = ()) -> List[Tensor]:
+        """Where tensors several partitions use accumulate: ties, then ``held`` (``core.held``)."""
+        return [*self._shared, *(self._aliases.get(id(t), t) for t in held)]
 
     def hold(self, whole: bool = False) -> None:
         """Before the call's first backward, where the sums are to be handed to autograd
@@ -252,7 +245,7 @@ class AliasSink(GradSink):
         self.params = []
         self._aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias
         self._modes: List[_Substitute] = []
-        self._own = trainable(partitions) if own is None else own
+        self.own = self._own = trainable(partitions) if own is None else own
         self._leaves: List[List[Tensor]] = []
         by_alias: Dict[int, nn.Parameter] = {}  # id(alias) -> parameter
         for mine in self._own:
@@ -261,11 +254,6 @@ class AliasSink(GradSink):
             self._modes.append(_Substitute(self._aliases, by_alias, mine, leaves))
             self._leaves.append(leaves)
         self._shared = [self._aliases[id(p)] for p in shared(self._own)]
-        self.own = self._own
-
-    def leaf_of(self, tensor: Tensor) -> Tensor:
-        """``tensor``'s alias if it is a parameter of the pipeline, else itself."""
-        return self._aliases.get(id(tensor), tensor)
 
     def _alias_of(self, param: nn.Parameter) -> Tensor:
         if id(param) not in self._aliases:
@@ -321,7 +309,7 @@ class DirectSink(GradSink):
     gradients accumulate in ``.grad`` (see the module docstring)."""
 
     def __init__(self, partitions: Sequence[nn.Module], own: Optional[Trainable] = None) -> None:
-        own = trainable(partitions) if own is None else own
+        self.own = own = trainable(partitions) if own is None else own
         if len(own) == 1:  # one partition (a one-stage call, a distributed stage's step)
             self.params = list(own[0])
             self._weights = [self.params]
@@ -333,7 +321,6 @@ class DirectSink(GradSink):
             self._weights = [[*mine, *(p for p in self.params if id(p) not in seen)]
                              for mine, seen in zip(own, ids)]
         self._shared: List[Tensor] = list(shared(own))
-        self.own = own
         self._before: Optional[List[Tuple[nn.Parameter, Tensor]]] = None  # see ``hold``
         self._in_place = False  # the sums stay in ``.grad`` (``hold``)
         self._hidden: Optional[Hidden] = None  # hooks registered since the forward

@@ -120,17 +120,14 @@ class Transport:
     ``reverse``: the group carrying messages to lower stages (default: ``group`` itself).
     ``ahead``: post each peer's next receive as soon as the previous message is taken,
     else when the message is needed (default: ahead unless NCCL must share one group
-    between both directions). ``tag``: the tag of every message, the pipe's own, so that no
-    message an earlier pipe's failed call left on the group can match one of its receives
-    (``seqpipe.distributed.rebuild``).
+    between both directions). ``tag``: every message's, the pipe's own (``rebuild``).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device,
                  timeout: Optional[timedelta] = None, *,
                  reverse: Optional[dist.ProcessGroup] = None,
                  ahead: Optional[bool] = None, tag: int = 0) -> None:
-        self.group = group
-        self.tag = tag  # every message's (``seqpipe.distributed.rebuild``)
+        self.group, self.tag = group, tag
         self.reverse = reverse if reverse is not None else group
         self.device = device
         self.timeout = timeout
@@ -165,9 +162,8 @@ class Transport:
             first = self.failure.splitlines()[0] if self.failure else "a stage failed"
             raise RuntimeError(
                 f"this pipeline failed in an earlier call ({first}); messages of that call "
-                f"may still be in flight, so it cannot run another. Build a new "
-                f"DistributedPipe, on this process group or a new one "
-                f"(torch.distributed.new_group): that call's messages cannot reach it")
+                f"may still be in flight, so it cannot run another. Build a new DistributedPipe "
+                f"(on this group or a torch.distributed.new_group): they cannot reach it")
 
     def expect(self, src: int, planned: Iterable["Planned"]) -> None:
         """The next messages stage ``src`` will send this one, in order."""

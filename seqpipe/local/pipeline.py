@@ -204,9 +204,6 @@ def _tie_order(sink: Optional[GradSink], partitions: Sequence[nn.Module]
     tensors held outside registration (``seqpipe.core.held``)."""
     if sink is None:
         return None
-    leaves = sink.shared_leaves()
-    if len(partitions) > 1:
-        ties = {id(leaf) for leaf in leaves}
-        leaves = [*leaves, *(leaf for leaf in map(sink.leaf_of, held_ties(sink.own, partitions))
-                             if id(leaf) not in ties)]
+    leaves = sink.shared_leaves(held_ties(sink.own, partitions) if len(partitions) > 1 else ())
+    leaves = list({id(leaf): leaf for leaf in leaves}.values())  # a tie held too: once
     return TieOrder(leaves) if leaves else None
