@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DEFAULT_GROUP", "Held", "held_group", "kept", "kept_mesh", "mesh_groups",
-           "new_group_like", "resolved", "reverse_group"]
+__all__ = ["DEFAULT_GROUP", "Held", "held_group", "kept", "kept_mesh", "mesh_groups", "resolved",
+           "reverse_group"]
 
 # Weak keys: a group's second group lives as long as the group, not longer. A strong key
 # would keep the default group (and its gloo worker threads) alive past the user's
@@ -55,7 +55,7 @@ def mesh_groups(mesh: DeviceMesh, pipeline_dim: str = "pp",
     if group not in _REVERSE:
         ranks = mesh.mesh.movedim(names.index(pipeline_dim), -1)
         lines = ranks.reshape(-1, ranks.shape[-1]).tolist()
-        mine = [new_group_like(line, group) for line in lines]  # every rank makes every one
+        mine = [_new_group(line, group) for line in lines]  # every rank makes every one
         _REVERSE[group] = next(g for g, line in zip(mine, lines) if dist.get_rank() in line)
     return group, mesh.get_group(data_dim)
 
@@ -138,12 +138,12 @@ def reverse_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
     key = group if group is not None else world
     assert key is not None
     if key not in _REVERSE and key is world:
-        _REVERSE[key] = new_group_like(list(range(dist.get_world_size())), key)
+        _REVERSE[key] = _new_group(list(range(dist.get_world_size())), key)
     return _REVERSE.get(key)
 
 
-def new_group_like(ranks: list, like: dist.ProcessGroup, *, local: bool = False
-                   ) -> dist.ProcessGroup:
+def _new_group(ranks: list, like: dist.ProcessGroup, *, local: bool = False
+               ) -> dist.ProcessGroup:
     """A group of ``ranks`` with ``like``'s backend and timeout (not the backend default,
     30 minutes on gloo: the timeout bounds how long a receive waits for a silent peer).
     Every rank of the world makes it, or with ``local`` only ``ranks`` do

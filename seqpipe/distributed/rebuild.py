@@ -40,7 +40,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from seqpipe.distributed.mesh import new_group_like, reverse_group
+from seqpipe.distributed.mesh import _new_group, reverse_group
 from seqpipe.distributed.transport import Channel, Transport
 from seqpipe.trace.gather import _TAG as _CLOCK_TAG
 
@@ -107,8 +107,8 @@ def pipeline_transport(group: Optional[dist.ProcessGroup], device: torch.device,
             if group is not None else list(range(dist.get_world_size()))
         like = _key(group)
         assert like is not None
-        fresh = new_group_like(ranks, like, local=True)
-        reverse = new_group_like(ranks, like, local=True) if reverse is not None else None
+        fresh = _new_group(ranks, like, local=True)
+        reverse = _new_group(ranks, like, local=True) if reverse is not None else None
         group = fresh
     transport = Transport(group, device, reverse=reverse, tag=tag)
     transport.connect(channels)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from seqpipe.distributed.agreement import gather_ints
-from seqpipe.distributed.mesh import new_group_like
+from seqpipe.distributed.mesh import _new_group
 
 __all__ = ["tie_groups"]
 
@@ -57,7 +57,7 @@ def tie_groups(stage_sets: Sequence[Tuple[int, ...]], group: Optional[dist.Proce
     for stages in sorted(set(stage_sets)):
         for line in lines:
             members = [line[s] for s in stages]
-            made = new_group_like(members, like)
+            made = _new_group(members, like)
             if me in members:
                 mine[stages] = made
     return mine
