@@ -60,6 +60,7 @@ class _PipeFunction(torch.autograd.Function):
     def forward(ctx: Any, call: "_Call", phony: Tensor,  # type: ignore[override]
                 *tensors: Tensor) -> Tuple[Tensor, ...]:
         outputs = call.outputs if call.outputs is not None else call.forward()
+        call.outputs = None  # they become this Function's outputs: no cycle through ``ctx``
         ctx.call = call
         return pipeline_outputs(ctx, outputs)
 

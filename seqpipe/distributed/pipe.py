@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -38,13 +37,12 @@ from seqpipe.distributed.rebuild import failed, local_view, pipeline_transport
 from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.tie_local import one_rank_ties
-from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
+from seqpipe.distributed.ties import Tie, TiedCopies, across_ranks, drop_layer, find_ties, ties_kept
 from seqpipe.graph.origin import Origin, model_output
 from seqpipe.schedule import (
     AnySchedule,
     Auto,
     AutoChoice,
-    Placement,
     get_schedule,
     placement_of,
     validate_schedule,
@@ -175,7 +173,7 @@ class DistributedPipe(FixedLayers):
         self.balance = self._resolve_balance(module, balance)
         validate_schedule(self.schedule, self.num_ranks, self.chunks)
         layout = inspect_skip_layout(module, self.balance)
-        self.ties: Tuple[Tie, ...] = tuple(_across_ranks(find_ties(module, self.balance),
+        self.ties: Tuple[Tie, ...] = tuple(across_ranks(find_ties(module, self.balance),
                                                          self.placement))
         on_one_rank = one_rank_ties(module, self.balance, self.placement)  # (wrapped apart)
         fingerprint, views = self._check_same_everywhere(module)  # views: ``rebuild``
@@ -387,14 +385,3 @@ class DistributedPipe(FixedLayers):
         return (f"rank={self.rank}/{self.num_ranks}, stages=[{stages}] of {self.num_stages}, "
                 f"balance={self.balance}, chunks={self.chunks}, "
                 f"schedule={type(self.schedule).__name__}, checkpoint={self.checkpoint!r}")
-
-
-def _across_ranks(ties: Sequence[Tie], placement: Placement) -> List[Tie]:
-    """The ties whose stages lie on two or more ranks, each naming those ranks in
-    ``stages`` (the copies live per rank: stages on one rank share one tensor)."""
-    out = []
-    for tie in ties:
-        ranks = tuple(sorted({placement.rank_of(s) for s in tie.stages}))
-        if len(ranks) > 1:
-            out.append(replace(tie, stages=ranks))
-    return out
