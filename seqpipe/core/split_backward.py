@@ -168,35 +168,102 @@ def _within_task(targets: Sequence[GradientEdge], work: Callable[[], None]) -> N
               [torch.ones((), device="cpu")], [*targets, anchor])
 
 
-@dataclass
+# Boundary nodes whose weight gradients cost little beside their input gradient (one
+# kernel computes all of them: a norm's weight and bias gradients are row sums of what the
+# input gradient reads anyway, ~20 us for a LayerNorm's three against ~12 + ~20 us apart).
+# ``I`` has such a node compute them too, as a plain backward would, and keeps them for
+# ``W`` (a few floats a channel), instead of calling the node again in ``W``.
+_CHEAP_WEIGHTS = frozenset({"NativeLayerNormBackward0", "NativeGroupNormBackward0",
+                            "NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
+
+
+def _hook_free(off: Sequence[Tuple[int, Node, int, List[Tensor]]]) -> bool:
+    """Whether a cheap node's edges off the path (``off``) lead straight to parameters
+    without ``register_hook`` hooks, so that ``I`` may compute their gradients. ``I``
+    captures them where they enter the accumulators, without running these, but the engine
+    still calls such hooks there (in ``I``, and a hook may replace the gradient): a hooked
+    parameter's norm is called in ``W`` instead."""
+    return all(type(child) is ACCUMULATE and not child.variable._backward_hooks
+               for _, child, _, _ in off)
+
+
+class _Roots:
+    """Gradient edges whose gradients are known by ``W``'s time: roots of the stage off the
+    input path (an output computed from parameters only), or a cheap boundary node's
+    edges to its parameters (``accumulators``), whose gradients ``I`` computed."""
+
+    __slots__ = ("edges", "grads", "behind", "accumulators", "last", "inputs")
+
+    def __init__(self, edges: List[GradientEdge], grads: List[Optional[Tensor]],
+                 behind: List[List[Tensor]], accumulators: bool) -> None:
+        self.edges, self.grads, self.behind = edges, grads, behind  # leaves behind each edge
+        self.accumulators = accumulators  # each edge is its one leaf's accumulator
+        self.last, self.inputs = -1, ()  # set by ``plan``
+
+    def plan(self, order: Dict[int, int]) -> bool:
+        """Keep what leads to wanted leaves (``order``: their positions); False: nothing."""
+        edges, grads, leaves = [], [], []
+        for edge, grad, behind in zip(self.edges, self.grads, self.behind):
+            wanted = [t for t in behind if id(t) in order]
+            if wanted and grad is not None:
+                edges.append(edge)
+                grads.append(grad)
+                leaves += wanted
+        if not leaves:
+            return False
+        self.edges, self.grads = edges, grads
+        self.last = max(order[id(t)] for t in leaves)
+        # An accumulator runs itself (no ``inputs=``); other roots may reach more leaves.
+        self.inputs = () if self.accumulators else _targets(leaves, order)
+        return True
+
+    def run(self, nested: bool) -> None:
+        """Backpropagate the gradients into the leaves behind the edges."""
+        _backprop(self.edges, self.grads, self.inputs, nested=nested)
+
+
+def _targets(leaves: List[Tensor], order: Dict[int, int]) -> List[Any]:
+    """``inputs=`` for ``leaves``, in ``order`` (the same on every replica)."""
+    return autograd_inputs(sorted(leaves, key=lambda t: order[id(t)]))
+
+
 class _Boundary:
-    """A boundary node: its kept incoming gradients and its edges off the input path."""
+    """A boundary node: its kept incoming gradients and its edges off the input path, and,
+    once ``W`` has planned it (``SplitBackward._weight``), what it computes there: the
+    outputs ``ks`` along ``edges``, into ``inputs`` (``()``: every leaf behind them), by
+    calling the node (``here``) or through the engine; ``last``: the latest position in
+    ``W``'s order of a leaf it reaches (runs go highest first)."""
 
-    node: Node
-    off: List[Tuple[int, GradientEdge, List[Tensor]]]  # (output index, edge, leaves behind)
-    incoming: Optional[Tuple[Optional[Tensor], ...]] = None  # set by ``I``'s pre-hook
+    __slots__ = ("node", "off", "incoming", "ks", "edges", "inputs", "here", "last")
 
-    def run(self, ks: Sequence[int], edges: Sequence[GradientEdge], inputs: Sequence[Any],
-            direct: bool, nested: bool) -> None:
-        """Backpropagate the kept gradients through the edges ``edges`` (the node's outputs
-        ``ks``) into ``inputs`` (``()``: every leaf behind them): with ``direct``, by
-        calling the node inside a graph task that needs those edges only
+    def __init__(self, node: Node, off: List[Tuple[int, GradientEdge, List[Tensor]]]) -> None:
+        self.node = node
+        self.off = off  # (output index, edge, leaves behind)
+        self.incoming: Optional[Tuple[Optional[Tensor], ...]] = None  # set by ``I``'s pre-hook
+        self.ks: Sequence[int] = ()  # (tuples: nothing allocated until W plans it)
+        self.edges: Sequence[GradientEdge] = ()
+        self.inputs: Sequence[Any] = ()
+        self.here, self.last = False, -1
+
+    def run(self, nested: bool) -> None:
+        """Backpropagate the kept gradients through the planned edges into their leaves:
+        ``here``, by calling the node inside a graph task that needs those edges only
         (``_within_task``); else the engine runs the node (and hooks on its output again)."""
         incoming, self.incoming = self.incoming, None  # freed as soon as it is used
         assert incoming is not None
-        if not direct:
+        if not self.here:
             _backprop([GradientEdge(self.node, k) for k, g in enumerate(incoming)
-                       if g is not None], [g for g in incoming if g is not None], inputs,
+                       if g is not None], [g for g in incoming if g is not None], self.inputs,
                       nested=nested)
             return
         out = self.node(*incoming)  # the outputs the current graph task needs only
         roots, grads = [], []
-        for k, edge in zip(ks, edges):
+        for k, edge in zip(self.ks, self.edges):
             if out[k] is not None:
                 roots.append(edge)
                 grads.append(out[k])
         if grads:
-            _backprop(roots, grads, inputs, nested=nested)
+            _backprop(roots, grads, self.inputs, nested=nested)
 
 
 @dataclass
@@ -209,9 +276,13 @@ class SplitBackward:
     input_node: Optional[Node]
     whole: bool = False  # W reruns the whole backward (a node shared off the input path)
     saved: Optional[SavedTensors] = None  # what the forward saved: freed after I but W's
+    # I may compute cheap boundary nodes' weight gradients (``_cheap``): not where W must
+    # run every boundary node through the engine (FSDP2's hooks), nor under anomaly mode.
+    cheap: bool = True
     boundary: List[_Boundary] = field(default_factory=list)  # in the walk's order
-    # Roots off the input path (an output computed from parameters only): W's alone.
-    off_path: List[Tuple[GradientEdge, Tensor, List[Tensor]]] = field(default_factory=list)
+    # What W backpropagates as it is: roots off the input path (an output computed from
+    # parameters only) and the weight gradients I computed.
+    known: List[_Roots] = field(default_factory=list)
 
     def input(self) -> None:
         """Backpropagate to the stage input only, keeping what ``weight`` needs."""
@@ -224,30 +295,57 @@ class SplitBackward:
         # parameters (exact, as slow as a naive split).
         self.whole = graph.shared
         if self.whole:
+            if self.saved is not None:
+                self.saved.let_go()  # the engine frees each node's as W runs it
             return self._input_only()
         on, behind = graph.on, graph.behind
-        self.off_path = [(root, grad, behind[root.node])
-                         for root, grad in zip(self.roots, self.grads) if root.node not in on]
-        self.boundary = [_Boundary(node, [(k, GradientEdge(child, nr), leaves)
-                                          for k, child, nr, leaves in off])
-                         for node, off in graph.boundary]
+        self.known = [_Roots([root], [grad], [behind[root.node]], False)
+                      for root, grad in zip(self.roots, self.grads) if root.node not in on]
+        cheap = self.cheap and not torch.is_anomaly_enabled()
+        computed: List[_Roots] = []  # the cheap nodes', their gradients filled in below
+        ran = graph.only  # nodes W will not run: their saved tensors are freed after I
+        for node, off in graph.boundary:
+            if cheap and type(node).__name__ in _CHEAP_WEIGHTS and _hook_free(off):
+                computed.append(_Roots([GradientEdge(child, nr) for _, child, nr, _ in off],
+                                       [], [leaves for *_, leaves in off], True))
+                ran.append(node)
+            else:
+                self.boundary.append(_Boundary(node, [(k, GradientEdge(child, nr), leaves)
+                                                      for k, child, nr, leaves in off]))
         handles = [b.node.register_prehook(partial(setattr, b, "incoming"))
                    for b in self.boundary]
         try:
-            self._input_only()
+            if computed:
+                self._input_capturing(computed)
+            else:
+                self._input_only()
         finally:
             for handle in handles:
                 handle.remove()
+        self.known += computed
         # W starts from the kept gradients: drop the roots, their gradients, and what only
         # the input path saved (a ReLU's output, the loss's input). What the boundary
-        # nodes saved is freed once W has called them; the weight path frees itself.
+        # nodes saved is freed when W ends; the weight path frees itself.
         self.roots, self.grads = [], []
         if self.saved is not None:
-            self.saved.release(graph.only, ())
-            self.saved.keep([b.node for b in self.boundary])
+            self.saved.release(ran, ())
 
     def _input_only(self) -> None:
         _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
+
+    def _input_capturing(self, computed: List[_Roots]) -> None:
+        """``_input_only``, the engine also handing back the gradients that enter the
+        ``computed`` nodes' edges: asked for (``inputs=``) without accumulating, they are
+        captured where they enter the accumulators, which do not run (``autograd.grad``'s
+        rule), so the parameters' post-accumulate hooks fire in W only, once."""
+        edges = [e for c in computed for e in c.edges]
+        got = _engine_run_backward(tuple(self.roots), tuple(self.grads), True, False,
+                                   (self.wrt_input, *edges), allow_unreachable=True,
+                                   accumulate_grad=False)
+        at = 1  # got[0]: the input's, which the input node's backward keeps itself
+        for c in computed:
+            c.grads = list(got[at:at + len(c.edges)])
+            at += len(c.edges)
 
     def weight(self, wrt: Sequence[Tensor], *, call: bool = True, plain: bool = False) -> None:
         """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph.
@@ -256,7 +354,7 @@ class SplitBackward:
         ``wrt`` first (see the module's docstring for how each runs). ``call=False``:
         the engine runs every boundary node again, so that hooks on their outputs run
         in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
-        What the boundary nodes saved is freed at the end (``SavedTensors.free_all``).
+        What the forward saved is freed at the end (``SavedTensors.free_all``).
         ``plain``: the step's backward is over the whole graph (``GradSink.plain``), so
         every leaf behind the weight path gets its gradient, not only ``wrt``'s (after
         them): a tensor outside the pipe that a layer or ``loss_fn`` holds. A stage without
@@ -282,28 +380,20 @@ class SplitBackward:
             return
         order = {id(t): n for n, t in enumerate(wrt)}
         boundary, self.boundary = self.boundary, []
-        off_path, self.off_path = self.off_path, []
+        known, self.known = self.known, []
         if plain:  # every leaf behind the weight path, each listed there already
-            for behind in [b for *_, b in off_path] + [b for x in boundary for *_, b in x.off]:
+            for behind in [b for k in known for b in k.behind] + \
+                    [b for x in boundary for *_, b in x.off]:
                 for leaf in behind:
                     order.setdefault(id(leaf), len(order))
-
-        def targets(leaves: List[Tensor]) -> List[Any]:
-            return autograd_inputs(sorted(leaves, key=lambda t: order[id(t)]))
-
         # In a fixed order, the same on every replica (not the nodes' addresses): the
         # parameters registered last first, the order a plain backward produces them in
         # (and a reducer's buckets follow), so that post-accumulate hooks that issue
         # per-layer collectives issue them in the same order on every replica.
-        runs: List[Tuple[int, Optional[_Boundary], Any, Any, Sequence[Any], bool]] = []
-        for root, grad, behind in off_path:
-            leaves = [t for t in behind if id(t) in order]
-            if leaves:
-                runs.append((max(order[id(t)] for t in leaves), None, [root], [grad],
-                             targets(leaves), False))
         direct = call and not torch.is_anomaly_enabled()
+        runs: List[Any] = [k for k in known if k.plan(order)]  # _Roots and _Boundary
         called: List[GradientEdge] = []  # what the nodes called directly must compute
-        for b in boundary:
+        for b in boundary:  # each one's plan (inline: a call per node is measurable)
             if b.incoming is None:
                 continue
             ks, edges, leaves, every, last = [], [], [], True, -1
@@ -320,21 +410,20 @@ class SplitBackward:
                     every = every and len(leaves) - first == len(behind)
             if not ks:
                 continue
-            here = direct and not isinstance(b.node, torch._C._FunctionBase)
+            b.ks, b.edges, b.last = ks, edges, last
+            b.here = here = direct and not isinstance(b.node, torch._C._FunctionBase)
             if here:
                 called += edges
             # Called here, the node's outputs are the roots: when every leaf behind them is
             # wanted, the engine needs no ``inputs=`` (nor the walk that marks them).
-            runs.append((last, b, ks, edges, () if here and every else targets(leaves), here))
-        runs.sort(key=lambda run: -run[0])
+            b.inputs = () if here and every else _targets(leaves, order)
+            runs.append(b)
+        runs.sort(key=lambda run: -run.last)
         nested = bool(called)
 
         def work() -> None:
-            for _, b, ks, edges, inputs, here in runs:
-                if b is None:  # a root off the input path: ks, edges are its roots, grads
-                    _backprop(ks, edges, inputs, nested=nested)
-                else:
-                    b.run(ks, edges, inputs, here, nested)
+            for run in runs:
+                run.run(nested)
         if called:
             _within_task(called, work)
         else:

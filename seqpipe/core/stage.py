@@ -326,7 +326,7 @@ class Stage:
                     skip_grads: Dict[SkipKey, Optional[Tensor]]) -> Grads:
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         state.split = SplitBackward(roots, grads, state.entry.phony, state.entry.node,
-                                    saved=state.saved)
+                                    saved=state.saved, cheap=self.leaves is None)
         with self._backpropagating(state):
             state.split.input()
         return self._received_grads(state)
