@@ -28,7 +28,7 @@ graph task, two walks over every node reachable from its roots) and Python. So:
 * ``I`` walks the graph once in Python (``seqpipe.core.split_walk``: the path, the
   boundary nodes and the leaves behind each of their edges off it, shared nodes) and
   calls the engine once;
-* ``W`` makes one engine call, ``_WithinTask``, whose only targets are the boundary nodes'
+* ``W`` makes one engine call, ``WithinTask``, whose only targets are the boundary nodes'
   edges off ``P``. Inside it each boundary node is *called* (``node(*grads)``): a node
   computes only the outputs whose next node the current graph task needs, so it computes
   its edges off ``P`` and not its input gradient (autograd's own rule,
@@ -52,10 +52,10 @@ graph task, two walks over every node reachable from its roots) and Python. So:
   one here, as both engines run a stage's forward and backward on the caller's current
   stream (``seqpipe.core.stream``).
 * A boundary node whose weight gradients one kernel computes with its input gradient (a
-  norm: ``_CHEAP_WEIGHTS``) runs once, in ``I``: ``I``'s engine call also asks for the
+  norm: ``CHEAP_WEIGHTS``) runs once, in ``I``: ``I``'s engine call also asks for the
   gradients entering its parameters' accumulators, which the engine captures without
   running those (``torch.autograd.grad``'s rule), and ``W`` backpropagates them from there
-  in its order, as it does a root off ``P`` (``_Roots``). Its backward would otherwise run
+  in its order, as it does a root off ``P`` (``Roots``). Its backward would otherwise run
   twice, its input gradient in ``I`` and its weights' in ``W`` (~20 + ~12 us against ~20
   for a ``LayerNorm`` of the benchmark's transformer), beside a node call and an engine
   call of ``W``.
@@ -71,15 +71,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
-from torch.autograd.variable import Variable
-from torch.overrides import has_torch_function
+from torch.autograd.graph import GradientEdge, _engine_run_backward
 
 from seqpipe.core.saved import SavedTensors
+from seqpipe.core.split_runs import (
+    CHEAP_WEIGHTS,
+    Boundary,
+    Roots,
+    autograd_inputs,
+    backprop,
+    hook_free,
+    sorted_inputs,
+    within_task,
+)
 from seqpipe.core.split_walk import ACCUMULATE, survey
 
 __all__ = ["SplitBackward", "autograd_inputs", "reachable"]
@@ -127,154 +135,6 @@ def _with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
     return [*wrt, *outside] if outside else wrt
 
 
-def autograd_inputs(tensors: List[Tensor]) -> List[Any]:
-    """What to pass as ``inputs=`` to backpropagate into ``tensors``.
-
-    The tensors themselves, unless one has its own ``__torch_function__`` (a parameter
-    subclass): ``autograd.backward`` would then run the whole backward, a checkpoint's
-    recomputation included, inside that override, with subclass overrides disabled, so
-    the recomputation would compute something else. Their gradient edges avoid that.
-    """
-    if has_torch_function(tensors):
-        return [get_gradient_edge(t) for t in tensors]
-    return tensors
-
-
-def _backprop(roots: Sequence[GradientEdge], grads: Sequence[Tensor], inputs: Sequence[Any],
-              keep: bool = False, nested: bool = False) -> None:
-    """``torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=keep)`` without
-    its Python layer (tuple packing and per-root shape checks: our roots' gradients come
-    from autograd itself, and the engine checks them again), ~20 us a call. ``nested``: a
-    call from inside a running backward goes straight to the engine, as torch's own
-    wrapper would, at its end, drop what the running call put in thread-local state."""
-    args = (tuple(roots), tuple(grads), keep, False, tuple(inputs))
-    if nested:
-        Variable._execution_engine.run_backward(*args, True, True)  # type: ignore[attr-defined]
-    else:
-        _engine_run_backward(*args, allow_unreachable=True, accumulate_grad=True)
-
-
-class _WithinTask(torch.autograd.Function):
-    """A node whose backward runs ``work`` inside the graph task of the engine call that
-    reaches it, so that nodes called by ``work`` compute only what that task needs."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: Tensor, work: Callable[[], None]) -> Tensor:  # type: ignore[override]
-        ctx.work = work
-        return anchor.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:  # type: ignore[override]
-        work, ctx.work = ctx.work, None
-        work()
-        return None, None
-
-
-def _within_task(targets: Sequence[GradientEdge], work: Callable[[], None]) -> None:
-    """Run ``work`` inside a graph task whose targets are ``targets`` (and nothing else)."""
-    anchor = torch.zeros((), device="cpu", requires_grad=True)  # run on the calling thread
-    _backprop([get_gradient_edge(_WithinTask.apply(anchor, work))],
-              [torch.ones((), device="cpu")], [*targets, anchor])
-
-
-# Boundary nodes whose weight gradients cost little beside their input gradient (one
-# kernel computes all of them: a norm's weight and bias gradients are row sums of what the
-# input gradient reads anyway, ~20 us for a LayerNorm's three against ~12 + ~20 us apart).
-# ``I`` has such a node compute them too, as a plain backward would, and keeps them for
-# ``W`` (a few floats a channel), instead of calling the node again in ``W``.
-_CHEAP_WEIGHTS = frozenset({"NativeLayerNormBackward0", "NativeGroupNormBackward0",
-                            "NativeBatchNormBackward0", "CudnnBatchNormBackward0"})
-
-
-def _hook_free(off: Sequence[Tuple[int, Node, int, List[Tensor]]]) -> bool:
-    """Whether a cheap node's edges off the path (``off``) lead straight to parameters
-    without ``register_hook`` hooks, so that ``I`` may compute their gradients. ``I``
-    captures them where they enter the accumulators, without running these, but the engine
-    still calls such hooks there (in ``I``, and a hook may replace the gradient): a hooked
-    parameter's norm is called in ``W`` instead."""
-    return all(type(child) is ACCUMULATE and not child.variable._backward_hooks
-               for _, child, _, _ in off)
-
-
-class _Roots:
-    """Gradient edges whose gradients are known by ``W``'s time: roots of the stage off the
-    input path (an output computed from parameters only), or a cheap boundary node's
-    edges to its parameters (``accumulators``), whose gradients ``I`` computed."""
-
-    __slots__ = ("edges", "grads", "behind", "accumulators", "last", "inputs")
-
-    def __init__(self, edges: List[GradientEdge], grads: List[Optional[Tensor]],
-                 behind: List[List[Tensor]], accumulators: bool) -> None:
-        self.edges, self.grads, self.behind = edges, grads, behind  # leaves behind each edge
-        self.accumulators = accumulators  # each edge is its one leaf's accumulator
-        self.last, self.inputs = -1, ()  # set by ``plan``
-
-    def plan(self, order: Dict[int, int]) -> bool:
-        """Keep what leads to wanted leaves (``order``: their positions); False: nothing."""
-        edges, grads, leaves = [], [], []
-        for edge, grad, behind in zip(self.edges, self.grads, self.behind):
-            wanted = [t for t in behind if id(t) in order]
-            if wanted and grad is not None:
-                edges.append(edge)
-                grads.append(grad)
-                leaves += wanted
-        if not leaves:
-            return False
-        self.edges, self.grads = edges, grads
-        self.last = max(order[id(t)] for t in leaves)
-        # An accumulator runs itself (no ``inputs=``); other roots may reach more leaves.
-        self.inputs = () if self.accumulators else _targets(leaves, order)
-        return True
-
-    def run(self, nested: bool) -> None:
-        """Backpropagate the gradients into the leaves behind the edges."""
-        _backprop(self.edges, self.grads, self.inputs, nested=nested)
-
-
-def _targets(leaves: List[Tensor], order: Dict[int, int]) -> List[Any]:
-    """``inputs=`` for ``leaves``, in ``order`` (the same on every replica)."""
-    return autograd_inputs(sorted(leaves, key=lambda t: order[id(t)]))
-
-
-class _Boundary:
-    """A boundary node: its kept incoming gradients and its edges off the input path, and,
-    once ``W`` has planned it (``SplitBackward._weight``), what it computes there: the
-    outputs ``ks`` along ``edges``, into ``inputs`` (``()``: every leaf behind them), by
-    calling the node (``here``) or through the engine; ``last``: the latest position in
-    ``W``'s order of a leaf it reaches (runs go highest first)."""
-
-    __slots__ = ("node", "off", "incoming", "ks", "edges", "inputs", "here", "last")
-
-    def __init__(self, node: Node, off: List[Tuple[int, GradientEdge, List[Tensor]]]) -> None:
-        self.node = node
-        self.off = off  # (output index, edge, leaves behind)
-        self.incoming: Optional[Tuple[Optional[Tensor], ...]] = None  # set by ``I``'s pre-hook
-        self.ks: Sequence[int] = ()  # (tuples: nothing allocated until W plans it)
-        self.edges: Sequence[GradientEdge] = ()
-        self.inputs: Sequence[Any] = ()
-        self.here, self.last = False, -1
-
-    def run(self, nested: bool) -> None:
-        """Backpropagate the kept gradients through the planned edges into their leaves:
-        ``here``, by calling the node inside a graph task that needs those edges only
-        (``_within_task``); else the engine runs the node (and hooks on its output again)."""
-        incoming, self.incoming = self.incoming, None  # freed as soon as it is used
-        assert incoming is not None
-        if not self.here:
-            _backprop([GradientEdge(self.node, k) for k, g in enumerate(incoming)
-                       if g is not None], [g for g in incoming if g is not None], self.inputs,
-                      nested=nested)
-            return
-        out = self.node(*incoming)  # the outputs the current graph task needs only
-        roots, grads = [], []
-        for k, edge in zip(self.ks, self.edges):
-            if out[k] is not None:
-                roots.append(edge)
-                grads.append(out[k])
-        if grads:
-            _backprop(roots, grads, self.inputs, nested=nested)
-
-
 @dataclass
 class SplitBackward:
     """One micro-batch's backward on one stage, run as ``input()`` then ``weight()``."""
@@ -288,10 +148,11 @@ class SplitBackward:
     # I may compute cheap boundary nodes' weight gradients (``_cheap``): not where W must
     # run every boundary node through the engine (FSDP2's hooks), nor under anomaly mode.
     cheap: bool = True
-    boundary: List[_Boundary] = field(default_factory=list)  # in the walk's order
+    boundary: List[Boundary] = field(default_factory=list)  # in the walk's order
     # What W backpropagates as it is: roots off the input path (an output computed from
     # parameters only) and the weight gradients I computed.
-    known: List[_Roots] = field(default_factory=list)
+    known: List[Roots] = field(default_factory=list)
+    only: List[Node] = field(default_factory=list)  # what I ran that W will not (to free)
 
     def input(self) -> None:
         """Backpropagate to the stage input only, keeping what ``weight`` needs."""
@@ -308,18 +169,18 @@ class SplitBackward:
                 self.saved.let_go()  # the engine frees each node's as W runs it
             return self._input_only()
         on, behind = graph.on, graph.behind
-        self.known = [_Roots([root], [grad], [behind[root.node]], False)
+        self.known = [Roots([root], [grad], [behind[root.node]], False)
                       for root, grad in zip(self.roots, self.grads) if root.node not in on]
         cheap = self.cheap and not torch.is_anomaly_enabled()
-        computed: List[_Roots] = []  # the cheap nodes', their gradients filled in below
+        computed: List[Roots] = []  # the cheap nodes', their gradients filled in below
         for node, off in graph.boundary:
             # (What such a node saved is freed when W ends, as a called node's: reading
             # its holders to free them after I costs more than its backward saves.)
-            if cheap and type(node).__name__ in _CHEAP_WEIGHTS and _hook_free(off):
-                computed.append(_Roots([GradientEdge(child, nr) for _, child, nr, _ in off],
+            if cheap and type(node).__name__ in CHEAP_WEIGHTS and hook_free(off):
+                computed.append(Roots([GradientEdge(child, nr) for _, child, nr, _ in off],
                                        [], [leaves for *_, leaves in off], True))
             else:
-                self.boundary.append(_Boundary(node, [(k, GradientEdge(child, nr), leaves)
+                self.boundary.append(Boundary(node, [(k, GradientEdge(child, nr), leaves)
                                                       for k, child, nr, leaves in off]))
         handles = [b.node.register_prehook(partial(setattr, b, "incoming"))
                    for b in self.boundary]
@@ -332,17 +193,25 @@ class SplitBackward:
             for handle in handles:
                 handle.remove()
         self.known += computed
-        # W starts from the kept gradients: drop the roots, their gradients, and what only
-        # the input path saved (a ReLU's output, the loss's input). What the boundary
+        # W starts from the kept gradients: drop the roots and their gradients. What only
+        # the input path saved (a ReLU's output, the loss's input) goes in
+        # ``free_input_path``, once the input's gradient has been sent; what the boundary
         # nodes saved is freed when W ends; the weight path frees itself.
         self.roots, self.grads = [], []
-        if self.saved is not None:
-            self.saved.release(graph.only, ())
+        self.only = graph.only
+
+    def free_input_path(self) -> None:
+        """Free what only the input path saved (after ``input``; ``weight`` does it first
+        if it was not done): a stage calls it once the input's gradient has left, so that
+        the ~0.2 ms it takes (reading ~100 nodes' holders) does not delay that message."""
+        only, self.only = self.only, []
+        if only and self.saved is not None:
+            self.saved.release(only, ())
 
     def _input_only(self) -> None:
-        _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
+        backprop(self.roots, self.grads, [self.wrt_input], keep=True)
 
-    def _input_capturing(self, computed: List[_Roots]) -> None:
+    def _input_capturing(self, computed: List[Roots]) -> None:
         """``_input_only``, the engine also handing back the gradients that enter the
         ``computed`` nodes' edges: asked for (``inputs=``) without accumulating, they are
         captured where they enter the accumulators, which do not run (``autograd.grad``'s
@@ -371,6 +240,7 @@ class SplitBackward:
         a whole rerun (a shared node) names them in ``inputs=`` (``_with_outside``).
         """
         try:
+            self.free_input_path()
             self._weight(wrt, call, plain)
         finally:
             if self.saved is not None:
@@ -380,12 +250,12 @@ class SplitBackward:
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and (wrt or plain):
                 if plain and self.wrt_input is None:
-                    _backprop(self.roots, self.grads, ())
+                    backprop(self.roots, self.grads, ())
                     return
                 targets = list(wrt)
                 if plain:
                     targets = _with_outside(targets, self.roots, self.wrt_input)
-                _backprop(self.roots, self.grads, autograd_inputs(targets))
+                backprop(self.roots, self.grads, autograd_inputs(targets))
             return
         order = {id(t): n for n, t in enumerate(wrt)}
         boundary, self.boundary = self.boundary, []
@@ -400,7 +270,7 @@ class SplitBackward:
         # (and a reducer's buckets follow), so that post-accumulate hooks that issue
         # per-layer collectives issue them in the same order on every replica.
         direct = call and not torch.is_anomaly_enabled()
-        runs: List[Any] = [k for k in known if k.plan(order)]  # _Roots and _Boundary
+        runs: List[Any] = [k for k in known if k.plan(order)]  # Roots and Boundary
         called: List[GradientEdge] = []  # what the nodes called directly must compute
         for b in boundary:  # each one's plan (inline: a call per node is measurable)
             if b.incoming is None:
@@ -425,7 +295,7 @@ class SplitBackward:
                 called += edges
             # Called here, the node's outputs are the roots: when every leaf behind them is
             # wanted, the engine needs no ``inputs=`` (nor the walk that marks them).
-            b.inputs = () if here and every else _targets(leaves, order)
+            b.inputs = () if here and every else sorted_inputs(leaves, order)
             runs.append(b)
         runs.sort(key=lambda run: -run.last)
         nested = bool(called)
@@ -434,6 +304,6 @@ class SplitBackward:
             for run in runs:
                 run.run(nested)
         if called:
-            _within_task(called, work)
+            within_task(called, work)
         else:
             work()
