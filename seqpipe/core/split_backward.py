@@ -145,8 +145,8 @@ class SplitBackward:
     input_node: Optional[Node]
     whole: bool = False  # W reruns the whole backward (a node shared off the input path)
     saved: Optional[SavedTensors] = None  # what the forward saved: freed after I but W's
-    # I may compute cheap boundary nodes' weight gradients (``_cheap``): not where W must
-    # run every boundary node through the engine (FSDP2's hooks), nor under anomaly mode.
+    # I may compute a norm's weight gradients (``CHEAP_WEIGHTS``, ``hook_free``): not where
+    # W must run every boundary node through the engine (FSDP2's hooks), nor under anomaly.
     cheap: bool = True
     boundary: List[Boundary] = field(default_factory=list)  # in the walk's order
     # What W backpropagates as it is: roots off the input path (an output computed from
