@@ -335,3 +335,36 @@ def test_an_input_gradient_is_sent_before_the_input_path_is_freed(monkeypatch: A
     assert len(frees) == 8, events  # every I of both stages
     for k in frees:
         assert events[k - 1][0] == "send", events  # each right after its gradient's send
+
+
+def test_a_temporary_the_graph_never_reaches_is_not_kept_past_i() -> None:
+    """The forward notes every saved-tensor holder (to free them all when W ends), but not
+    to keep alive what would have died at once: a temporary computed and dropped inside a
+    layer (its node unreachable from the outputs) is gone once I has run."""
+    import weakref
+
+    class Dead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            torch.exp(self.lin(x) * 3)  # saved for a backward nothing will run
+            return torch.tanh(self.lin(x))
+
+    model = nn.Sequential(nn.Linear(4, 4), Dead())
+    incoming = [torch.randn(2, 4)]
+    entry = enter(incoming, [True], torch.device("cpu"))
+    saved = SavedTensors()
+    with saved.recording():
+        out = model(incoming[0])
+    dead = [h for h in saved._all if sys.getrefcount(h) <= 3]
+    assert len(dead) >= 1, "the temporary's nodes are gone"
+    gone = [weakref.ref(h.value) for h in dead]  # type: ignore[union-attr]
+    del dead
+    split = SplitBackward([get_gradient_edge(out)], [torch.ones(2, 4)], entry.phony,
+                          entry.node, saved=saved)
+    split.input()
+    split.free_input_path()
+    assert all(ref() is None for ref in gone), "kept past I"
+    split.weight(list(model.parameters()))

@@ -31,6 +31,7 @@ modifying a saved tensor in place still raises autograd's error.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -167,6 +168,14 @@ class SavedTensors:
         """Stop holding on to the holders: each dies with the node that saved it, as without
         seqpipe (a backward that runs every node again, ``W`` rerunning the whole graph)."""
         self._all = []
+
+    def prune(self) -> None:
+        """Stop noting the holders that only this list keeps: those of nodes already gone (a
+        temporary the forward made and the graph never reached, which without the list
+        would have died with it). A split backward calls it after ``I`` (after the send),
+        so such a tensor lives until then at most (~20 us for 228 holders)."""
+        # 3 references when only the list holds one: the list, the loop, getrefcount's own
+        self._all = [held for held in self._all if sys.getrefcount(held) > 3]
 
     def free_all(self) -> None:
         """After ``W``: free every tensor the forward saved. Nothing runs this micro-batch's

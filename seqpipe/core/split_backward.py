@@ -207,6 +207,7 @@ class SplitBackward:
         only, self.only = self.only, []
         if only and self.saved is not None:
             self.saved.release(only, ())
+            self.saved.prune()
 
     def _input_only(self) -> None:
         backprop(self.roots, self.grads, [self.wrt_input], keep=True)
