@@ -188,12 +188,15 @@ class Tasks:
         stage = self.stages[s]
         grads, skip_grads = self.output_grads(s, i)
         if split:
+            state = self.states[(s, i)]
             with self._computing(Phase.BACKWARD_INPUT, s, i):
-                received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
-        else:
-            with self._handing_over(s, i), self._computing(Phase.BACKWARD, s, i):  # hooks: once
-                received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
-                                          sink=self._sink(s, i))
+                received = stage.backward_input(state, grads, skip_grads, free=False)
+            self.send_backward(s, i, received)
+            stage.free_input_path(state)  # after the send: the gradients are not to wait
+            return
+        with self._handing_over(s, i), self._computing(Phase.BACKWARD, s, i):  # hooks: once
+            received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
+                                      sink=self._sink(s, i))
         self.send_backward(s, i, received)
 
     def backward_weight(self, s: int, i: int) -> None:
