@@ -291,7 +291,8 @@ class Transport:
             self._release(stage, planned.sent_at)
         if self.ahead and self._incoming[stage]:
             self._post(stage)  # now: its data can flow while this rank computes
-        tensors = tuple(None if s is None else payload.pop(0) for s in specs)
+        tensors = tuple(payload) if len(payload) == len(specs) else \
+            tuple(None if s is None else payload.pop(0) for s in specs)
         return Message(header.kind, header.microbatch, header.key, tensors, header.flags,
                        header.count, header.atomic, header.origin, header.values)
 
