@@ -1,28 +1,29 @@
 """Each rank's main-thread CPU per 1F1B step, row by row: seqpipe against torch pipelining.
 
 The model, ranks and variants of ``dist_vs_torch_pipelining.py`` (``seqpipe 1f1b`` and
-``torch 1F1B``, the MLP of 8 × Linear(1024) + ReLU, 2 ranks, M = 8, gloo). Both variants run
-alternately in the same processes, each step under ``cProfile`` with ``time.thread_time``
-as its clock (the main thread's CPU only: gloo's I/O threads excluded), and every
-function's self time is put in one row by what it is for:
+``torch 1F1B``, the MLP of 8 × Linear(1024) + ReLU, 2 ranks, M = 8, gloo), or with
+``--model transformer`` those of ``dist_transformer_vs_torch.py`` (its default GPT). Both
+variants run alternately in the same processes; only the main thread's CPU counts
+(``time.thread_time``: gloo's I/O threads excluded). Docs: docs/benchmarks.md,
+"Session 13: hot3".
 
-* ``forward kernels``: the C functions of the layers and the loss (``linear``, ``relu``,
-  ``mse_loss``, ...), the same arithmetic in both runtimes;
-* ``backward (autograd engine + kernels)``: ``run_backward``'s self time, i.e. the
-  engine's C++ and the backward kernels it runs (Python hooks it calls are charged to
-  their own rows);
-* ``gloo calls``: the process group's ``send``/``recv``/``wait`` and their Work objects;
-* ``other C calls``: every other built-in (tensor methods, ``torch.empty``, ``struct``,
-  ...), by name;
-* Python: every Python function's self time, by file and function.
+By default (unprofiled) a few functions are wrapped and timed exclusively (a call's time
+less that of the timed calls inside it): what both runtimes run alike (the layers'
+``nn.Sequential.forward``, ``loss_fn``, autograd's engine with the backward kernels, the
+split backward's node calls, gloo's ``send``/``recv`` at the process group, the waits) and
+each runtime's own parts (seqpipe's receiving, sending, stage forward and backward around
+the layers and the engine, the loss around ``loss_fn``, the dispatch per action, the
+opening and the close; torch's ``forward_one_chunk``, ``backward_one_chunk``, p2p posting,
+``scale_grads``); the rest of the step is what none of them took. Medians per step.
 
-A profiler inflates Python (its own cost is charged per call), so the per-step call count
-is printed beside each row: a row's difference between the runtimes that is mostly calls is
-per-call Python; the kernel rows are not inflated. The unprofiled main-thread CPU per step
-of each variant is measured in the same run (rounds without the profiler, alternating), so
-the profiled total can be set against it.
+With ``--profile`` every step runs under ``cProfile`` (``time.thread_time`` as its clock)
+and every function's self time goes to a row: the forward kernels, ``run_backward``
+(engine and backward kernels), gloo's calls, every other built-in by name, and every Python
+function by file. A profiler inflates Python per call, so each row shows its calls per
+step: use it for *where*, the timers for *how much*.
 
-Run: ``PYTHONPATH=. python benchmarks/dist_cpu_rows.py --rounds 10 --top 40``.
+Run: ``PYTHONPATH=. python benchmarks/dist_cpu_rows.py --rounds 20 --ranks 1 0``;
+``--profile --top 40 [--dump DIR]``; ``--model transformer --rounds 6``.
 """
 from __future__ import annotations
 
@@ -38,11 +39,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 from _common import make_model, pin_malloc
-from dist_vs_torch_pipelining import TORCH, SEQ, Variants, _init, machine_line, spawn
+from dist_vs_torch_pipelining import SEQ, TORCH, Variants, _init, machine_line, spawn
 
 NAMES = (SEQ[1], TORCH[1])
 Key = Tuple[str, int, str]
 
+GPT = {"vocab": 512, "width": 128, "heads": 4, "blocks": 8, "length": 64}  # its defaults
 FORWARD = ("linear", "relu", "mse_loss", "addmm", "matmul")
 GLOO = ("_distributed_c10d",)
 
@@ -145,6 +147,8 @@ def instrument(timers: Timers) -> None:
         setattr(dist.ProcessGroup, name,
                 timers.wrap("gloo send/recv (ProcessGroup)", getattr(dist.ProcessGroup, name)))
     bench.loss_fn = timers.wrap("loss_fn (kernels)", bench.loss_fn)
+    import dist_transformer_vs_torch as gpt
+    gpt.loss_fn = timers.wrap("loss_fn (kernels)", gpt.loss_fn)
     patches = [
         (nn.Sequential, "forward", "layers (forward kernels)"),
         (split.SplitBackward, "input", "split backward I (node calls)"),
@@ -178,8 +182,18 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> Non
     if not args.profile:
         instrument(timers)
     try:
-        model = make_model(args.width, args.depth)
-        variants = Variants(model, rank, args.chunks, args.micro_batch, args.width, only=NAMES)
+        if args.model == "mlp":
+            model = make_model(args.width, args.depth)
+            variants = Variants(model, rank, args.chunks, args.micro_batch, args.width,
+                                only=NAMES)
+        else:  # dist_transformer_vs_torch.py's GPT-style model, its 1f1b variants by our names
+            import dist_transformer_vs_torch as gpt
+            options = argparse.Namespace(**{**vars(args), **GPT, "schedules": ["1f1b"],
+                                            "micro_batch": 4})
+            variants = gpt.Variants(gpt.make_gpt(GPT["vocab"], GPT["width"], GPT["heads"],
+                                                 GPT["blocks"], GPT["length"]), rank, options)
+            variants.steps = {NAMES[0]: variants.steps["seqpipe 1f1b"],
+                              NAMES[1]: variants.steps["torch 1f1b"]}
         for _ in range(args.warmup):
             for name in NAMES:
                 dist.barrier()
@@ -254,7 +268,8 @@ def table(result: Dict[str, Any], top: int) -> List[str]:
              f"torch {result[NAMES[1]]['plain']:.1f} ms",
              f"profiled: seqpipe {sum(v[0] for v in seq.values()):.1f} ms "
              f"({sum(v[1] for v in seq.values()):.0f} calls), torch "
-             f"{sum(v[0] for v in tor.values()):.1f} ms ({sum(v[1] for v in tor.values()):.0f} calls)",
+             f"{sum(v[0] for v in tor.values()):.1f} ms "
+             f"({sum(v[1] for v in tor.values()):.0f} calls)",
              "", "| row | seqpipe ms (calls) | torch ms (calls) | seqpipe − torch ms |",
              "|---|---|---|---|"]
     keys = set(seq) | set(tor)
@@ -288,6 +303,9 @@ def table(result: Dict[str, Any], top: int) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp",
+                        help="the MLP of dist_vs_torch_pipelining.py (--width/--depth/"
+                        "--micro-batch), or dist_transformer_vs_torch.py's default GPT")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=32)
