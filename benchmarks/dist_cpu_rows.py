@@ -32,13 +32,13 @@ import cProfile
 import pstats
 import statistics
 import sys
-import threading
 import time
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 from _common import make_model, pin_malloc
+from dist_breakdown import Clock
 from dist_vs_torch_pipelining import SEQ, TORCH, Variants, _init, machine_line, spawn
 
 NAMES = (SEQ[1], TORCH[1])
@@ -80,37 +80,16 @@ def collect(stats: pstats.Stats, steps: int) -> Dict[str, List[float]]:
 
 
 # -- unprofiled: a few functions timed (exclusive thread CPU), the rest by subtraction ------
-class Timers:
-    """Exclusive main-thread CPU per label: a wrapped call's time less its wrapped callees'."""
+class Timers(Clock):
+    """``dist_breakdown.Clock`` on the thread's CPU: exclusive main-thread CPU per label."""
 
     def __init__(self) -> None:
-        self.totals: Dict[str, float] = defaultdict(float)
-        self.calls: Dict[str, int] = defaultdict(int)
-        self._stack: List[List[Any]] = []
-        self._main = threading.main_thread()
-
-    def wrap(self, label: str, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is not self._main:
-                return fn(*args, **kwargs)
-            frame = [time.thread_time(), 0.0]
-            self._stack.append(frame)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._stack.pop()
-                spent = time.thread_time() - frame[0]
-                self.totals[label] += spent - frame[1]
-                self.calls[label] += 1
-                if self._stack:
-                    self._stack[-1][1] += spent
-        timed.__wrapped__ = fn  # type: ignore[attr-defined]
-        return timed
+        super().__init__(time.thread_time)
 
     def take(self) -> Dict[str, List[float]]:
-        out = {k: [v, float(self.calls[k])] for k, v in self.totals.items()}
-        self.totals.clear()
-        self.calls.clear()
+        """Each label's seconds and calls since the last ``take``."""
+        out = {k: [v, float(self.counts[k])] for k, v in self.totals.items()}
+        self.reset()
         return out
 
 
