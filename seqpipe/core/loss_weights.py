@@ -89,11 +89,6 @@ class LossWeights:
         """The mini-batch loss ``train_step`` returns, from the weighted losses' sum."""
         return weighted_sum if self.reported == 1.0 else weighted_sum * self.reported
 
-    def total(self, losses: Mapping[int, Tensor]) -> Tensor:
-        """The mini-batch loss ``train_step`` returns, from the weighted micro-batch losses
-        by micro-batch index (both engines): ``report(in_order(losses))``."""
-        return self.report(in_order(losses))
-
     def target_grads(self) -> List[Tuple[Tensor, Optional[Tensor]]]:
         """Each of the caller's target tensors that wants a gradient, with the step's
         gradient of it (for ``caller_grads.hand_over``, after the step's backwards)."""

@@ -159,17 +159,16 @@ class LocalPipeline:
     # -- a training step under a schedule ----------------------------------------------
     def train_step(self, batches: Sequence[Batch], targets: Sequence[Any], weights: Sequence[float],
                    loss_fn: LossFn, actions: Sequence[Sequence[Action]], *,
-                   checkpoint_stop: int, schedule: Any = None
-                   ) -> Tuple[LocalRun, Dict[int, Tensor]]:
+                   checkpoint_stop: int, schedule: Any = None) -> Tuple[LocalRun, Tensor]:
         """Forward and backward every micro-batch in the order ``actions`` gives, one list
         per worker thread (``actions[r]``: rank ``r``'s, each naming its stage; one stage
         per rank, or several under interleaved and V-shaped schedules).
 
         Returns the call (its ``sink`` holds the parameters' gradients, summed over
         micro-batches, unless they went to ``.grad`` directly; ``input_grads`` the
-        inputs') and the micro-batch losses, each times its ``weights`` entry, by micro-batch
-        index (``LossWeights.total`` adds them in order). ``schedule``: what the actions
-        came from, for a trace to name and replay.
+        inputs') and the mini-batch loss: the sum of the micro-batch losses, each times its
+        ``weights`` entry, in micro-batch order (``Tasks.loss_sum``). ``schedule``: what
+        the actions came from, for a trace to name and replay.
         """
         m = len(batches)
         run = self._open(m, True)
@@ -194,7 +193,7 @@ class LocalPipeline:
         if ties is not None:
             ties.flush()
         hooks.end_step(run.trace_step)
-        return run, step.losses
+        return run, step.loss_sum()
 
 
 def _tie_order(sink: Optional[GradSink], partitions: Sequence[nn.Module]

@@ -192,11 +192,11 @@ class TrainStep:
         """Run the step on the pipe's ``pipeline`` under checkpoint ``mode`` (``"never"``
         outside training); return what hands the gradients of the pipe's trainable
         parameters (and inputs) over when backpropagated."""
-        run, losses = pipeline.train_step(
+        run, weighted = pipeline.train_step(
             self.microbatches, self.weights.targets, self.weights.weights, self.loss_fn,
             self.actions, checkpoint_stop=checkpoint_stop(mode, len(self.microbatches)),
             schedule=self.schedule)
-        self.loss = self.weights.total(losses)
+        self.loss = self.weights.report(weighted)
         assert run.sink is not None
         self._sums = dict(run.sink.take())
         self._input_grads = run.input_grads
