@@ -55,6 +55,13 @@ def _both(first: ContextManager[None], second: ContextManager[None]) -> Iterator
         yield
 
 
+FLAT_OUTPUT = (
+    "seqpipe: loss_fn receives each micro-batch's output as the pipeline's last layer returns "
+    "it (a tensor, or a tuple of tensors), never a model's output structure: for a model "
+    "converted by seqpipe.to_sequential, the flat output (GPT-2 without labels: the logits "
+    "tensor; with labels: (loss, logits)); seq.origin.rebuild(out) gives the structure back")
+
+
 def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
                     weight: float) -> Tensor:
     """Micro-batch ``i``'s loss, times its ``weight``; checks what ``loss_fn`` returns."""
@@ -67,7 +74,12 @@ def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
             f"its slice of the target has {target.shape[0]}; input and target need the "
             f"same batch size")
     with torch.enable_grad():
-        loss = loss_fn(outputs.value, target)
+        try:
+            loss = loss_fn(outputs.value, target)
+        except AttributeError as exc:  # ``out.logits``: the flat output, not a ModelOutput
+            if getattr(exc, "obj", None) is outputs.value:
+                exc.add_note(FLAT_OUTPUT)
+            raise
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
                    else type(loss).__name__)

@@ -21,7 +21,7 @@ from seqpipe.distributed.ties import canonical_names
 from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
 from seqpipe.graph.errors import ConversionError, UntracedUnit, quiet_kernel_log
-from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS
+from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS, TorchCalls, mode_dependent
 from seqpipe.graph.opaque import CHOSEN, Opaque, choose_opaque, stand_ins
 from seqpipe.graph.origin import Origin
 from seqpipe.graph.trace import trace
@@ -114,8 +114,11 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     while True:  # a unit the trace cannot enter becomes opaque, and the trace starts again
         try:
             with stand_ins(found, dark), quiet_kernel_log():
-                order = call_order(model, found, args, kwargs, explicit=units is not None)
+                with TorchCalls(model) as calls:
+                    order = call_order(model, found, args, kwargs, explicit=units is not None)
                 _check_chosen(chosen, order)
+                by_mode = mode_dependent(model, {n: found[n] for n in order}, args, kwargs,
+                                         calls.calls)
                 traced = trace(model, args, kwargs, found, order, dynamic_shapes,
                                dark.reasons)
             break
@@ -133,6 +136,9 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     layers = [build_unit(i, layer, traced.graph_module, plan.free, traced.device, ns,
                          persistent, layer.unit in dark) for i, layer in enumerate(plan.layers)]
     _own_tables(layers, model, persistent)
+    if by_mode:  # its glue branches on training: each layer runs in this mode only
+        for layer in layers:
+            layer.traced_mode = (found[layer.unit].training, layer.unit, type(model).__name__)
     seq = ConvertedSequential(*layers)
     flat = pytree.tree_leaves((args, kwargs))
     seq.origin = Origin(type(model).__name__, traced.in_spec, traced.out_spec,

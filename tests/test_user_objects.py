@@ -1,0 +1,259 @@
+"""The user's objects stay the user's, and a new user's first hour (session 13's hunt).
+
+Each case compares a ``Pipe`` (two CPU partitions) or a converted model with the plain
+model on the same batch, outputs and gradients in float64, or checks the error that names
+the mend where seqpipe cannot match the plain model: hooks registered on the
+``nn.Sequential`` itself before wrapping, a forward that branches on ``self.training``
+outside its units, a converted model's pipeline called with the model's own arguments, a
+``loss_fn`` that reads a ``ModelOutput`` attribute from the flat output.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import seqpipe
+from seqpipe import Pipe
+from seqpipe.distributed import DistributedPipe
+
+MODES = ["never", "always"]
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 4)).double()
+
+
+def batch() -> Tensor:
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def piped(model: nn.Sequential, mode: str = "except_last") -> Pipe:
+    return Pipe(model, chunks=4, checkpoint=mode, balance=[2, 3], devices=["cpu", "cpu"])
+
+
+def assert_same_grads(plain: nn.Module, pipe: nn.Module) -> None:
+    for (name, a), b in zip(plain.named_parameters(), pipe.parameters()):
+        assert b.grad is not None and a.grad is not None, name
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-12, msg=name)
+
+
+# -- hooks on the nn.Sequential itself --------------------------------------------------------
+def hooked(calls: List[str]) -> nn.Sequential:
+    """The model with hooks of every kind on the Sequential itself, each changing what it
+    sees (the input, the output, the gradient, the state dict's keys)."""
+    model = mlp()
+    model.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    model.register_forward_hook(lambda mod, args, kwargs, out: calls.append("post") or out + 1,
+                                with_kwargs=True)
+    model.register_full_backward_hook(
+        lambda mod, gin, gout: calls.append("backward") or (gin[0] * 3,))
+    model.register_full_backward_pre_hook(lambda mod, gout: (gout[0].clamp(-0.2, 0.2),))
+
+    def renamed(mod: nn.Module, state: Dict[str, Any], prefix: str, meta: Any) -> None:
+        state["head.weight"] = state.pop("4.weight")
+
+    def back(mod: nn.Module, state: Dict[str, Any], prefix: str, *rest: Any) -> None:
+        state["4.weight"] = state.pop("head.weight")
+
+    model.register_state_dict_post_hook(renamed)
+    model.register_load_state_dict_pre_hook(back)
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hooks_on_the_sequential_itself_run_as_on_the_model(mode: str) -> None:
+    """Hooks the user registered on the ``nn.Sequential`` before wrapping it (an input
+    transform, an output hook, gradient-changing backward hooks, a state-dict key hook) were
+    dropped silently: the pipe never calls that object. The pipe runs them now, once per
+    call on the whole batch, as the model did."""
+    want: List[str] = []
+    got: List[str] = []
+    plain, pipe = hooked(want), piped(hooked(got), mode)
+    x = batch().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    out, expected = pipe(x2), plain(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    (out.square().sum()).backward()
+    (expected.square().sum()).backward()
+    assert got == want == ["post", "backward"]
+    assert_same_grads(plain, pipe)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=0, atol=1e-12)
+    state = pipe.state_dict()
+    assert list(state) == list(plain.state_dict()) and "head.weight" in state
+    with torch.no_grad():
+        state["head.weight"].add_(1.0)
+    pipe.load_state_dict(state)  # the key goes back through the load hook
+    torch.testing.assert_close(pipe[4].weight, plain[4].weight + 1.0, rtol=0, atol=0)
+
+
+def test_a_hook_registered_on_the_pipe_stays_off_the_users_sequential() -> None:
+    model = mlp()
+    pipe = piped(model)
+    pipe.register_forward_hook(lambda mod, args, out: out * 0)
+    x = batch()
+    assert not model._forward_hooks
+    assert model(x).abs().sum() > 0  # the Sequential still runs the same layers, unhooked
+    assert pipe(x).abs().sum() == 0
+
+
+@pytest.mark.parametrize("where", ["sequential", "pipe"])
+def test_train_step_refuses_hooks_on_the_whole_model_by_name(where: str) -> None:
+    """``train_step`` hands each micro-batch's output to ``loss_fn`` and never calls the
+    pipe's forward on the whole batch: such hooks were skipped silently."""
+    model = mlp()
+    if where == "sequential":
+        model.register_forward_hook(lambda mod, args, out: out * 2)
+        pipe = piped(model)
+    else:
+        pipe = piped(model)
+        pipe.register_full_backward_hook(lambda mod, gin, gout: None)
+    with pytest.raises(RuntimeError, match=r"Pipe.train_step, .* cannot run the hooks registered "
+                                           r"on the whole model \((forward|backward) hook .*"
+                                           r"register them on the layers instead"):
+        pipe.train_step(batch(), torch.zeros(8, 4, dtype=torch.float64), F.mse_loss)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_distributed_pipe_refuses_hooks_on_the_sequential_by_name() -> None:
+    """``DistributedPipe`` has no call of the whole model to run them in (checked before
+    anything else, so without a process group)."""
+    model = mlp()
+    model.register_forward_pre_hook(lambda mod, args: None)
+    with pytest.raises(RuntimeError, match=r"DistributedPipe, .* cannot run the hooks "
+                                           r"registered on the whole model \(forward "
+                                           r"pre-hook .*handle.remove\(\)"):
+        DistributedPipe(model, chunks=2)
+
+
+# -- a forward that branches on self.training outside its units --------------------------------
+class Aux(nn.Module):
+    """torchvision's GoogLeNet/Inception pattern: an auxiliary head run (and returned) only
+    in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 4)
+        self.aux = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Any:
+        h = F.relu(self.stem(x))
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        if self.training:
+            return self.head(h), self.aux(h)
+        return self.head(h)
+
+
+def aux_model() -> Aux:
+    torch.manual_seed(0)
+    return Aux().double()
+
+
+def test_a_forward_branching_on_training_runs_only_in_the_converted_mode() -> None:
+    """Converted in train mode, the model ran its training branch in eval mode too (the
+    auxiliary head's output came back from an eval call), silently; converted in eval
+    mode, it would never train the auxiliary head. Each converted model now refuses the
+    other mode by name; one conversion per mode gives the plain model's results in both."""
+    model, plain = aux_model(), aux_model()
+    x = batch()
+    trained = seqpipe.to_sequential(model, (x,))
+    pipe = Pipe(trained, chunks=4, balance=[2, len(trained) - 2], devices=["cpu", "cpu"])
+    out, want = pipe(x), plain(x)
+    assert isinstance(out, tuple) and len(out) == 2
+    (out[0].sum() + out[1].square().sum()).backward()
+    (want[0].sum() + want[1].square().sum()).backward()
+    assert_same_grads(plain, model)
+    model.eval(), plain.eval()
+    with pytest.raises(RuntimeError, match=r"Aux's forward branches on self.training outside "
+                                           r"its units .* converted in train mode, and unit "
+                                           r"'stem' is in eval mode now, .*"
+                                           r"seqpipe.to_sequential\(model.eval\(\), ...\)"):
+        pipe(x)
+    evaluated = seqpipe.to_sequential(model, (x,))  # over the same parameters
+    assert all(a is b for a, b in zip(evaluated.parameters(), model.parameters()))
+    with torch.no_grad():
+        torch.testing.assert_close(evaluated(x), plain(x), rtol=0, atol=1e-12)
+    model.train()
+    with pytest.raises(RuntimeError, match="converted in eval mode, and unit 'stem' is in "
+                                           "train mode now"):
+        evaluated(x)
+
+
+def test_a_forward_that_reads_training_only_for_dropout_follows_the_mode() -> None:
+    """Not every read of ``training`` is a branch: dropout in the glue follows the unit's
+    mode (``seqpipe.graph.mode``), so such a model converts once for both modes."""
+    class Drop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(F.dropout(self.a(x), 0.5, self.training))
+
+    torch.manual_seed(0)
+    model = Drop().double()
+    seq = seqpipe.to_sequential(model, (batch(),))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(seq(batch()), model(batch()), rtol=0, atol=0)
+
+
+# -- a new user's first hour with a converted model -------------------------------------------
+class Free(nn.Module):
+    """A model with keyword arguments: a mask and a flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor, mask: Tensor, scale: bool = False) -> Dict[str, Tensor]:
+        h = self.embed(x) * mask.unsqueeze(-1)
+        for block in self.blocks:
+            h = h + F.relu(block(h))
+        out = self.head(h)
+        return OrderedDict(logits=out * 2 if scale else out)
+
+
+def free() -> Tuple[nn.Module, Tuple[Tensor, Tensor]]:
+    torch.manual_seed(0)
+    return Free().double(), (batch(), torch.ones(8, dtype=torch.float64))
+
+
+def test_a_converted_pipeline_called_with_the_models_arguments_says_how() -> None:
+    """``pipe(x)`` for a model converted with ``(x, mask)`` raised the generated code's
+    ``forward() missing 1 required positional argument: 'in_mask'``."""
+    model, (x, mask) = free()
+    seq = seqpipe.to_sequential(model, (x, mask))
+    pipe = Pipe(seq, chunks=2, balance=[2, len(seq) - 2], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"takes 2 values, got 1\. A pipeline of a converted "
+                                        r"model takes the flat tuple that seq.origin."
+                                        r"pipeline_input"):
+        pipe(x)
+    out = pipe(seq.origin.pipeline_input(x, mask))
+    torch.testing.assert_close(out["logits"], model(x, mask)["logits"], rtol=0, atol=1e-12)
+
+
+def test_a_loss_fn_reading_the_models_output_structure_is_told_why() -> None:
+    """``train_step``'s ``loss_fn`` gets the flat output (a tensor), while ``pipe(x)`` gives
+    the model's structure: ``out["logits"]``/``out.logits`` failed with Python's message
+    alone."""
+    model, (x, mask) = free()
+    seq = seqpipe.to_sequential(model, (x, mask))
+    pipe = Pipe(seq, chunks=2, balance=[2, len(seq) - 2], devices=["cpu", "cpu"])
+    with pytest.raises(AttributeError, match="no attribute 'logits'") as info:
+        pipe.train_step(seq.origin.pipeline_input(x, mask), torch.zeros(8, 4),
+                        lambda out, y: F.mse_loss(out.logits, y))
+    assert any("loss_fn receives each micro-batch's output as the pipeline's last layer "
+               "returns it" in note and "seq.origin.rebuild(out)" in note
+               for note in info.value.__notes__)
