@@ -132,6 +132,25 @@ def test_distributed_pipe_refuses_hooks_on_the_sequential_by_name() -> None:
         DistributedPipe(model, chunks=2)
 
 
+# -- torch.func's transforms over a pipe -----------------------------------------------------
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_torch_func_transforms_over_a_pipe_are_refused_by_name(transform: str) -> None:
+    """They failed with torch's "In order to use an autograd.Function with functorch
+    transforms ... it must override the setup_context staticmethod", naming neither seqpipe
+    nor the mend; the unwrapped model (the same layers) takes them."""
+    pipe, x = piped(mlp()), batch()
+    params = dict(pipe.named_parameters())
+    run = {"vmap": lambda net: torch.func.vmap(lambda row: net(row.unsqueeze(0)))(x),
+           "grad": lambda net: torch.func.grad(
+               lambda p: torch.func.functional_call(net, p, (x,)).sum())(params)}[transform]
+    with pytest.raises(RuntimeError, match=r"torch.func's transforms \(vmap, grad, jacrev, "
+                                           r"...\) cannot record a Pipe.*functional_call\("
+                                           r"nn.Sequential\(\*pipe\), params, x\)"):
+        run(pipe)
+    run(nn.Sequential(*pipe))  # the mend
+    assert pipe(x).shape == (8, 4)  # the pipe is still usable
+
+
 # -- a forward that branches on self.training outside its units --------------------------------
 class Aux(nn.Module):
     """torchvision's GoogLeNet/Inception pattern: an auxiliary head run (and returned) only
