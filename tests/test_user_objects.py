@@ -276,3 +276,47 @@ def test_a_loss_fn_reading_the_models_output_structure_is_told_why() -> None:
     assert any("loss_fn receives each micro-batch's output as the pipeline's last layer "
                "returns it" in note and "seq.origin.rebuild(out)" in note
                for note in info.value.__notes__)
+
+
+# -- DistributedPipe: one launch ---------------------------------------------------------------
+def _on_two_ranks(rank: int, world: int) -> None:
+    # the Sequential's state_dict hooks are kept on every rank
+    model = mlp()
+    model.register_state_dict_post_hook(
+        lambda mod, state, prefix, meta: state.update({"hooked": torch.tensor(rank)}))
+    pipe = DistributedPipe(model, chunks=2, balance=[2, 3])
+    assert pipe.state_dict()["hooked"] == rank
+    assert set(pipe.state_dict()) - {"hooked"} == {n for n, _ in pipe.named_parameters()}
+    # a converted model that branches on training: trains as the plain model, under zb_h1,
+    # and refuses eval mode on every rank, by name
+    converted, plain = aux_model(), aux_model()
+    x, target = batch(), torch.zeros(8, 4, dtype=torch.float64)
+    seq = seqpipe.to_sequential(converted, (x,))
+
+    def loss_fn(out: Any, y: Tensor) -> Tensor:
+        return F.mse_loss(out[0], y) + out[1].square().mean()
+
+    pipe = DistributedPipe(seq, chunks=4, balance=[2, len(seq) - 2], schedule="zb_h1")
+    loss = pipe.train_step(x if pipe.is_first else None, target if pipe.is_last else None,
+                           loss_fn)
+    expected = loss_fn(plain(x), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    ours = dict(converted.named_parameters())
+    for name, param in plain.named_parameters():
+        if ours[name].grad is not None:  # the layers this rank holds
+            torch.testing.assert_close(ours[name].grad, param.grad, rtol=0, atol=1e-12,
+                                       msg=name)
+    assert any(p.grad is not None for p in pipe.parameters())
+    converted.eval()
+    with pytest.raises(RuntimeError, match="Aux's forward branches on self.training outside "
+                                           "its units"):
+        pipe(x if pipe.is_first else None)
+
+
+def test_distributed_pipe_keeps_state_hooks_and_refuses_the_other_mode() -> None:
+    """On two gloo ranks: the Sequential's ``state_dict`` hook kept; a model converted in
+    train mode that branches on ``training`` trains as the plain model under ``zb_h1`` and
+    refuses an eval call on every rank."""
+    from distributed_harness import run_workers
+    run_workers(_on_two_ranks, 2, timeout=120, pg_timeout=30)
