@@ -226,6 +226,36 @@ def test_a_forward_that_reads_training_only_for_dropout_follows_the_mode() -> No
         torch.testing.assert_close(seq(batch()), model(batch()), rtol=0, atol=0)
 
 
+# -- hooks on the modules whose forward is traced into the glue ------------------------------
+@pytest.mark.parametrize("kind", ["forward", "pre", "backward", "inside"])
+def test_hooks_outside_the_units_are_refused_at_conversion(kind: str) -> None:
+    """A hook on the model itself (or on a container above its units) was traced into the
+    glue: run at conversion only (a logging hook never ran again) and what it changed kept
+    in every call, even after ``handle.remove()``. A hook on a unit runs, as before."""
+    model, (x, mask) = free()
+    calls: List[int] = []
+    where = model.embed if kind == "inside" else model
+    if kind == "pre":
+        handle = where.register_forward_pre_hook(lambda mod, args: None)
+    elif kind == "backward":
+        handle = where.register_full_backward_hook(lambda mod, gin, gout: None)
+    else:
+        handle = where.register_forward_hook(lambda mod, args, out: calls.append(1))
+    if kind == "inside":
+        seq = seqpipe.to_sequential(model, (x, mask))
+        calls.clear()
+        seq(x, mask)
+        assert calls == [1]  # the unit's hook, once per call
+        return
+    with pytest.raises(seqpipe.graph.ConversionError,
+                       match=r"the model itself \(Free\) has (forward|backward) "
+                             r"(pre-)?hook .*traced into the glue between units: the hook would "
+                             r"run at conversion only.*register it on a unit"):
+        seqpipe.to_sequential(model, (x, mask))
+    handle.remove()
+    seqpipe.to_sequential(model, (x, mask))
+
+
 # -- a new user's first hour with a converted model -------------------------------------------
 class Free(nn.Module):
     """A model with keyword arguments: a mask and a flag."""

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from seqpipe.core.own_hooks import call_hooks_of
 from seqpipe.distributed.ties import canonical_names
 from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
@@ -107,6 +108,7 @@ def to_sequential(model: nn.Module, example_args: Any = (),
                                             (args, kwargs))
         _warn_unloadable(model)
     found = check_units(model, units)
+    _check_glue_hooks(model, list(found.values()))  # before anything runs them
     dark = Opaque()
     chosen = choose_opaque(found, opaque)
     for name in chosen:
@@ -244,6 +246,28 @@ def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
                 f"module {path!r} ({type(owner).__name__}) holds parameters, buffers or "
                 f"train/eval behaviour but is not inside a unit, so the trace would take its "
                 f"work out of your module object; add it to units=[...] (or its parent)")
+
+
+def _check_glue_hooks(model: nn.Module, units: Sequence[nn.Module]) -> None:
+    """Refuse a forward or backward hook on a module whose forward is traced into the glue
+    (the model itself, a container above the units): the trace ran it at conversion only,
+    and kept what it changed in every call, removed or not (a logging hook never ran again,
+    an output hook stayed after ``handle.remove()``)."""
+    inside = {id(m) for unit in units for m in unit.modules()}
+    for path, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        found = call_hooks_of(module)
+        if found:
+            who = f"module {path!r}" if path else "the model itself"
+            raise ConversionError(
+                f"{who} ({type(module).__name__}) has {', '.join(found)}, and its forward is "
+                f"traced into the "
+                f"glue between units: the hook would run at conversion only, and what it "
+                f"changed would stay in every call (even once it is removed). "
+                f"Remove it before converting (handle.remove()) and register it on a unit "
+                f"(units run eagerly, hooks included), or on the converted model, or on its "
+                f"Pipe, which run it once per call on the whole batch")
 
 
 def _written_attribute(node: fx.Node) -> Optional[str]:
