@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
+from test_user_state import assert_same_grads, batch, mlp, piped
 from torch import Tensor, nn
 
 import seqpipe
@@ -22,26 +23,6 @@ from seqpipe import Pipe
 from seqpipe.distributed import DistributedPipe
 
 MODES = ["never", "always"]
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                         nn.Linear(8, 4)).double()
-
-
-def batch() -> Tensor:
-    return torch.randn(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-
-
-def piped(model: nn.Sequential, mode: str = "except_last") -> Pipe:
-    return Pipe(model, chunks=4, checkpoint=mode, balance=[2, 3], devices=["cpu", "cpu"])
-
-
-def assert_same_grads(plain: nn.Module, pipe: nn.Module) -> None:
-    for (name, a), b in zip(plain.named_parameters(), pipe.parameters()):
-        assert b.grad is not None and a.grad is not None, name
-        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-12, msg=name)
 
 
 # -- hooks on the nn.Sequential itself --------------------------------------------------------
