@@ -262,9 +262,8 @@ def _check_glue_hooks(model: nn.Module, units: Sequence[nn.Module]) -> None:
             who = f"module {path!r}" if path else "the model itself"
             raise ConversionError(
                 f"{who} ({type(module).__name__}) has {', '.join(found)}, and its forward is "
-                f"traced into the "
-                f"glue between units: the hook would run at conversion only, and what it "
-                f"changed would stay in every call (even once it is removed). "
+                f"traced into the glue between units: the hook would run at conversion only, "
+                f"and what it changed would stay in every call (even once it is removed). "
                 f"Remove it before converting (handle.remove()) and register it on a unit "
                 f"(units run eagerly, hooks included), or on the converted model, or on its "
                 f"Pipe, which run it once per call on the whole batch")
