@@ -331,3 +331,31 @@ def test_distributed_pipe_keeps_state_hooks_and_refuses_the_other_mode() -> None
     refuses an eval call on every rank."""
     from distributed_harness import run_workers
     run_workers(_on_two_ranks, 2, timeout=120, pg_timeout=30)
+
+
+class Upcast(nn.Module):
+    """Glue that computes in float32 and casts back to the input's dtype (as mixed-precision
+    code does): the trace fixes both dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x).float()).to(x.dtype))
+
+
+def test_a_model_cast_after_converting_is_told_to_convert_again() -> None:
+    """``model.to(torch.bfloat16)`` after ``to_sequential`` (GPT-2 too) failed with torch's
+    bare "Tensor dtype mismatch! Expected: Float, Got: c10::BFloat16"; converted after the
+    cast, it runs as the plain model."""
+    torch.manual_seed(0)
+    model, x = Upcast(), torch.randn(8, 6)
+    seq = seqpipe.to_sequential(model, (x,))
+    model.double()
+    with pytest.raises(RuntimeError, match="Tensor dtype mismatch") as info:
+        seq(x.double())
+    assert any("Convert the model in the dtype it runs in: cast it first" in note
+               for note in info.value.__notes__)
+    again = seqpipe.to_sequential(model, (x.double(),))
+    torch.testing.assert_close(again(x.double()), model(x.double()), rtol=0, atol=0)

@@ -54,7 +54,12 @@ class Unit(nn.Module):
         popped = []
         for name in self.pop_order:
             popped.append((yield pop(name)))
-        results = self._code(self, *items, *popped)
+        try:
+            results = self._code(self, *items, *popped)
+        except RuntimeError as exc:  # export's dtype check in the glue: the model was cast
+            if str(exc).startswith(_DTYPE_CHECK):
+                exc.add_note(_DTYPE_MEND)
+            raise
         outs = results[:self._outputs]
         for name, value in zip(self.stash_order, results[self._outputs:]):
             yield stash(name, value)
@@ -66,6 +71,16 @@ class Unit(nn.Module):
 
 def _nothing(self: nn.Module, *args: Any) -> Tuple[Any, ...]:
     return ()
+
+
+# the message of ``aten._assert_tensor_metadata``, which export puts before a ``.to(dtype)``
+_DTYPE_CHECK = "Tensor dtype mismatch!"
+_DTYPE_MEND = (
+    "seqpipe: the glue between units (the code of the model's own forward) was traced with "
+    "the dtypes of the conversion, which are fixed like the sizes; the model or its input "
+    "now has another dtype (model.to(torch.bfloat16), pipe.half() after converting). Convert "
+    "the model in the dtype it runs in: cast it first, then seqpipe.to_sequential(model, "
+    "...)")
 
 
 def _arity(unit: Unit, given: int) -> str:
