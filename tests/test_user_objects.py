@@ -3,9 +3,12 @@
 Each case compares a ``Pipe`` (two CPU partitions) or a converted model with the plain
 model on the same batch, outputs and gradients in float64, or checks the error that names
 the mend where seqpipe cannot match the plain model: hooks registered on the
-``nn.Sequential`` itself before wrapping, a forward that branches on ``self.training``
-outside its units, a converted model's pipeline called with the model's own arguments, a
-``loss_fn`` that reads a ``ModelOutput`` attribute from the flat output.
+``nn.Sequential`` itself before wrapping (``Pipe``, ``train_step``, ``DistributedPipe``),
+``torch.func`` transforms over a pipe, a forward that branches on ``self.training`` outside
+its units, hooks on the modules a conversion traces into the glue, a converted model's
+pipeline called with the model's own arguments, a ``loss_fn`` that reads a ``ModelOutput``
+attribute from the flat output, a model cast after converting. The ``DistributedPipe``
+cases run in one launch of two gloo ranks.
 """
 from __future__ import annotations
 
@@ -75,6 +78,8 @@ def test_hooks_on_the_sequential_itself_run_as_on_the_model(mode: str) -> None:
 
 
 def test_a_hook_registered_on_the_pipe_stays_off_the_users_sequential() -> None:
+    """The pipe copies the Sequential's hooks: its own later hooks are not written into the
+    user's object, which still runs the same layers when called."""
     model = mlp()
     pipe = piped(model)
     pipe.register_forward_hook(lambda mod, args, out: out * 0)
