@@ -118,6 +118,32 @@ def test_distributed_pipe_refuses_hooks_on_the_sequential_by_name() -> None:
         DistributedPipe(model, chunks=2)
 
 
+# -- autograd's per-thread flags ---------------------------------------------------------------
+class Flags(nn.Module):
+    """Records autograd's per-thread flags as a layer sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[Tuple[bool, bool]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append((torch.autograd.is_multithreading_enabled(),
+                          torch.autograd.is_view_replay_enabled()))
+        return x * 1
+
+
+def test_autograd_flags_set_around_the_call_reach_every_stage() -> None:
+    """``torch.autograd.set_multithreading_enabled(False)`` and
+    ``_force_original_view_tracking(True)`` are per thread: the stage on a worker thread
+    saw the defaults (True, False)."""
+    model = nn.Sequential(nn.Linear(6, 6), Flags(), nn.Linear(6, 6), Flags()).double()
+    pipe = Pipe(model, chunks=2, balance=[2, 2], devices=["cpu", "cpu"])
+    with torch.autograd.set_multithreading_enabled(False), \
+            torch.autograd._force_original_view_tracking(True):
+        pipe(batch()).sum().backward()
+    assert set(model[1].seen) == set(model[3].seen) == {(False, True)}
+
+
 # -- torch.func's transforms over a pipe -----------------------------------------------------
 @pytest.mark.parametrize("transform", ["vmap", "grad"])
 def test_torch_func_transforms_over_a_pipe_are_refused_by_name(transform: str) -> None:
