@@ -78,7 +78,8 @@ class Clock:
     Only the main thread (the one running the step) is timed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # wall time; ``time.thread_time`` for the thread's CPU
         self.totals: Dict[str, float] = defaultdict(float)
         self.counts: Dict[str, int] = defaultdict(int)
         self._stack: List[List[Any]] = []  # [label, start, time spent in children]
@@ -91,13 +92,13 @@ class Clock:
             if threading.current_thread() is not main:  # a receiver thread: off the step's path
                 return fn(*args, **kwargs)
             name = label(*args, **kwargs) if callable(label) else label
-            frame = [name, time.perf_counter(), 0.0]
+            frame = [name, self.clock(), 0.0]
             self._stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._stack.pop()
-                spent = time.perf_counter() - frame[1]
+                spent = self.clock() - frame[1]
                 self.totals[name] += spent - frame[2]
                 self.counts[name] += 1
                 if self.events is not None:

@@ -28,17 +28,25 @@ backward's cost"), ``I + W`` over ``Stage B`` per micro-batch:
 Session 12 (``zb2``: one walk for the leaves too, the holders read in one loop), ``--rounds
 40``, 06:42-06:46, load average 4.5-4.7, alternating with ``main`` at ``f6996e0``: +3.22 /
 +3.49 / +3.20 ms against +3.28 / +4.00 / +3.54 (docs/benchmarks.md, "Session 12: zb2").
+
+``--against TREE`` also times another tree's split (its ``saved.py`` and ``split_backward.py``
+swapped into ``Stage`` round by round, in this process) and prints the median of per-round
+differences: separate processes differ by ±1 ms in memory layout alone, which this cancels.
+Session 13 (``zb3``, docs/benchmarks.md "Session 13: zb3"): ``--rounds 60 --against`` main at
+``92088f2``, 09:21, load average 2.1-2.3: I + W over ``Stage B`` +3.33 ms, −0.68 ms against
+main's split in the same rounds.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import pstats
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -103,11 +111,48 @@ def _split(stage: Stage, x: Tensor, y: Tensor) -> Timing:
     return mid - start, half - mid, time.thread_time() - half
 
 
+def _against(tree: str) -> Callable[[Callable[[], Timing]], Timing]:
+    """Run a split with ``tree``'s ``seqpipe/core/saved.py`` and ``split_backward.py`` (a
+    ``git archive`` of another commit) in place of this tree's, in this process, so the
+    two alternate round by round under the same load (separate processes differ by
+    ±1 ms in their memory layouts alone). Only for trees whose ``SplitBackward`` frees
+    the input path itself in ``input()`` (``main`` before session 13)."""
+    import seqpipe.core.stage as stage_module
+
+    def load(name: str) -> Any:
+        spec = importlib.util.spec_from_file_location(
+            f"against_{name}", Path(tree) / "seqpipe" / "core" / f"{name}.py")
+        assert spec is not None and spec.loader is not None, tree
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses look their module up there)
+        spec.loader.exec_module(module)
+        return module
+    saved, split = load("saved"), load("split_backward")
+    theirs = {"SavedTensors": saved.SavedTensors,
+              "SplitBackward": lambda *a, cheap=True, **k: split.SplitBackward(*a, **k)}
+
+    def run(form: Callable[[], Timing]) -> Timing:
+        ours = {name: getattr(stage_module, name) for name in theirs}
+        free = stage_module.Stage.__dict__["free_input_path"]  # the staticmethod itself
+        try:
+            for name, value in theirs.items():
+                setattr(stage_module, name, value)
+            stage_module.Stage.free_input_path = staticmethod(lambda state: None)
+            return form()
+        finally:
+            for name, value in ours.items():
+                setattr(stage_module, name, value)
+            stage_module.Stage.free_input_path = free
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--blocks", type=int, default=8, help="of the whole model (2 stages)")
     parser.add_argument("--profile", action="store_true", help="cProfile the split too")
+    parser.add_argument("--against", metavar="TREE", help="also time TREE's split, alternating "
+                        "(a checkout of main before session 13, e.g. git archive into /tmp)")
     args = parser.parse_args()
     pin_malloc()  # as dist_transformer_vs_torch.py: no page faults from malloc's adaptive mmap
     torch.set_num_threads(1)
@@ -117,10 +162,13 @@ def main() -> None:
         "plain": lambda: _plain(stage.partition, x, y),
         "Stage B": lambda: _whole(stage, x, y),
         "Stage I + W": lambda: _split(stage, x, y)}
+    if args.against:
+        theirs = _against(args.against)
+        forms["against I + W"] = lambda: theirs(lambda: _split(stage, x, y))
     times: Dict[str, List[Timing]] = {name: [] for name in forms}
     for warm in (True, False):
         for r in range(5 if warm else args.rounds):
-            names = list(forms)[r % 3:] + list(forms)[:r % 3]
+            names = list(forms)[r % len(forms):] + list(forms)[:r % len(forms)]
             for name in names:
                 stage.partition.zero_grad(set_to_none=True)
                 took = forms[name]()
@@ -138,6 +186,11 @@ def main() -> None:
     (_, i, w), split = medians["Stage I + W"]
     print(f"split: I + W = {i + w:.2f} ms against B {b:.2f} ms (+{i + w - b:.2f} ms, "
           f"{(i + w) / b:.3f}x); F+backward +{split - whole:.2f} ms per micro-batch")
+    if args.against:
+        paired = [(mine[1] + mine[2]) - (other[1] + other[2]) for mine, other in
+                  zip(times["Stage I + W"], times["against I + W"])]
+        print(f"I + W, this tree - {args.against}: median of per-round differences "
+              f"{statistics.median(paired) * 1e3:+.2f} ms per micro-batch")
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()

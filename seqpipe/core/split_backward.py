@@ -28,7 +28,7 @@ graph task, two walks over every node reachable from its roots) and Python. So:
 * ``I`` walks the graph once in Python (``seqpipe.core.split_walk``: the path, the
   boundary nodes and the leaves behind each of their edges off it, shared nodes) and
   calls the engine once;
-* ``W`` makes one engine call, ``_WithinTask``, whose only targets are the boundary nodes'
+* ``W`` makes one engine call, ``WithinTask``, whose only targets are the boundary nodes'
   edges off ``P``. Inside it each boundary node is *called* (``node(*grads)``): a node
   computes only the outputs whose next node the current graph task needs, so it computes
   its edges off ``P`` and not its input gradient (autograd's own rule,
@@ -51,26 +51,43 @@ graph task, two walks over every node reachable from its roots) and Python. So:
   current stream, where the engine would run it on the stream of its forward: the same
   one here, as both engines run a stage's forward and backward on the caller's current
   stream (``seqpipe.core.stream``).
+* A boundary node whose weight gradients one kernel computes with its input gradient (a
+  norm: ``CHEAP_WEIGHTS``) runs once, in ``I``: ``I``'s engine call also asks for the
+  gradients entering its parameters' accumulators, which the engine captures without
+  running those (``torch.autograd.grad``'s rule), and ``W`` backpropagates them from there
+  in its order, as it does a root off ``P`` (``Roots``). Its backward would otherwise run
+  twice, its input gradient in ``I`` and its weights' in ``W`` (~20 + ~12 us against ~20
+  for a ``LayerNorm`` of the benchmark's transformer), beside a node call and an engine
+  call of ``W``.
 
 Right after ``I``, what only ``P`` needed is freed (``seqpipe.core.saved``): the saved tensors of
 the nodes of ``P`` that ``W`` does not run again (a ReLU's output, the loss's input), and
 the roots' gradients; only the weight path's saved tensors and the kept gradients wait for
 ``W``, so a micro-batch between its ``I`` and its ``W`` holds no more than its schedule
-counts on. What the boundary nodes saved is freed when ``W`` ends.
+counts on. What the boundary nodes saved (and everything else the forward saved) is freed
+when ``W`` ends.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
-from torch.autograd.variable import Variable
-from torch.overrides import has_torch_function
+from torch.autograd.graph import GradientEdge, _engine_run_backward
 
 from seqpipe.core.saved import SavedTensors
+from seqpipe.core.split_runs import (
+    CHEAP_WEIGHTS,
+    Boundary,
+    Roots,
+    autograd_inputs,
+    backprop,
+    hook_free,
+    sorted_inputs,
+    within_task,
+)
 from seqpipe.core.split_walk import ACCUMULATE, survey
 
 __all__ = ["SplitBackward", "autograd_inputs", "reachable"]
@@ -118,87 +135,6 @@ def _with_outside(wrt: List[Tensor], roots: Sequence[GradientEdge],
     return [*wrt, *outside] if outside else wrt
 
 
-def autograd_inputs(tensors: List[Tensor]) -> List[Any]:
-    """What to pass as ``inputs=`` to backpropagate into ``tensors``.
-
-    The tensors themselves, unless one has its own ``__torch_function__`` (a parameter
-    subclass): ``autograd.backward`` would then run the whole backward, a checkpoint's
-    recomputation included, inside that override, with subclass overrides disabled, so
-    the recomputation would compute something else. Their gradient edges avoid that.
-    """
-    if has_torch_function(tensors):
-        return [get_gradient_edge(t) for t in tensors]
-    return tensors
-
-
-def _backprop(roots: Sequence[GradientEdge], grads: Sequence[Tensor], inputs: Sequence[Any],
-              keep: bool = False, nested: bool = False) -> None:
-    """``torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=keep)`` without
-    its Python layer (tuple packing and per-root shape checks: our roots' gradients come
-    from autograd itself, and the engine checks them again), ~20 us a call. ``nested``: a
-    call from inside a running backward goes straight to the engine, as torch's own
-    wrapper would, at its end, drop what the running call put in thread-local state."""
-    args = (tuple(roots), tuple(grads), keep, False, tuple(inputs))
-    if nested:
-        Variable._execution_engine.run_backward(*args, True, True)  # type: ignore[attr-defined]
-    else:
-        _engine_run_backward(*args, allow_unreachable=True, accumulate_grad=True)
-
-
-class _WithinTask(torch.autograd.Function):
-    """A node whose backward runs ``work`` inside the graph task of the engine call that
-    reaches it, so that nodes called by ``work`` compute only what that task needs."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: Tensor, work: Callable[[], None]) -> Tensor:  # type: ignore[override]
-        ctx.work = work
-        return anchor.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:  # type: ignore[override]
-        work, ctx.work = ctx.work, None
-        work()
-        return None, None
-
-
-def _within_task(targets: Sequence[GradientEdge], work: Callable[[], None]) -> None:
-    """Run ``work`` inside a graph task whose targets are ``targets`` (and nothing else)."""
-    anchor = torch.zeros((), device="cpu", requires_grad=True)  # run on the calling thread
-    _backprop([get_gradient_edge(_WithinTask.apply(anchor, work))],
-              [torch.ones((), device="cpu")], [*targets, anchor])
-
-
-@dataclass
-class _Boundary:
-    """A boundary node: its kept incoming gradients and its edges off the input path."""
-
-    node: Node
-    off: List[Tuple[int, GradientEdge, List[Tensor]]]  # (output index, edge, leaves behind)
-    incoming: Optional[Tuple[Optional[Tensor], ...]] = None  # set by ``I``'s pre-hook
-
-    def run(self, ks: Sequence[int], edges: Sequence[GradientEdge], inputs: Sequence[Any],
-            direct: bool, nested: bool) -> None:
-        """Backpropagate the kept gradients through the edges ``edges`` (the node's outputs
-        ``ks``) into ``inputs`` (``()``: every leaf behind them): with ``direct``, by
-        calling the node inside a graph task that needs those edges only
-        (``_within_task``); else the engine runs the node (and hooks on its output again)."""
-        incoming, self.incoming = self.incoming, None  # freed as soon as it is used
-        assert incoming is not None
-        if not direct:
-            _backprop([GradientEdge(self.node, k) for k, g in enumerate(incoming)
-                       if g is not None], [g for g in incoming if g is not None], inputs,
-                      nested=nested)
-            return
-        out = self.node(*incoming)  # the outputs the current graph task needs only
-        roots, grads = [], []
-        for k, edge in zip(ks, edges):
-            if out[k] is not None:
-                roots.append(edge)
-                grads.append(out[k])
-        if grads:
-            _backprop(roots, grads, inputs, nested=nested)
-
-
 @dataclass
 class SplitBackward:
     """One micro-batch's backward on one stage, run as ``input()`` then ``weight()``."""
@@ -209,9 +145,14 @@ class SplitBackward:
     input_node: Optional[Node]
     whole: bool = False  # W reruns the whole backward (a node shared off the input path)
     saved: Optional[SavedTensors] = None  # what the forward saved: freed after I but W's
-    boundary: List[_Boundary] = field(default_factory=list)  # in the walk's order
-    # Roots off the input path (an output computed from parameters only): W's alone.
-    off_path: List[Tuple[GradientEdge, Tensor, List[Tensor]]] = field(default_factory=list)
+    # I may compute a norm's weight gradients (``CHEAP_WEIGHTS``, ``hook_free``): not where
+    # W must run every boundary node through the engine (FSDP2's hooks), nor under anomaly.
+    cheap: bool = True
+    boundary: List[Boundary] = field(default_factory=list)  # in the walk's order
+    # What W backpropagates as it is: roots off the input path (an output computed from
+    # parameters only) and the weight gradients I computed.
+    known: List[Roots] = field(default_factory=list)
+    only: List[Node] = field(default_factory=list)  # what I ran that W will not (to free)
 
     def input(self) -> None:
         """Backpropagate to the stage input only, keeping what ``weight`` needs."""
@@ -224,30 +165,66 @@ class SplitBackward:
         # parameters (exact, as slow as a naive split).
         self.whole = graph.shared
         if self.whole:
+            if self.saved is not None:
+                self.saved.let_go()  # the engine frees each node's as W runs it
             return self._input_only()
         on, behind = graph.on, graph.behind
-        self.off_path = [(root, grad, behind[root.node])
-                         for root, grad in zip(self.roots, self.grads) if root.node not in on]
-        self.boundary = [_Boundary(node, [(k, GradientEdge(child, nr), leaves)
-                                          for k, child, nr, leaves in off])
-                         for node, off in graph.boundary]
+        self.known = [Roots([root], [grad], [behind[root.node]], False)
+                      for root, grad in zip(self.roots, self.grads) if root.node not in on]
+        cheap = self.cheap and not torch.is_anomaly_enabled()
+        computed: List[Roots] = []  # the cheap nodes', their gradients filled in below
+        for node, off in graph.boundary:
+            # (What such a node saved is freed when W ends, as a called node's: reading
+            # its holders to free them after I costs more than its backward saves.)
+            if cheap and type(node).__name__ in CHEAP_WEIGHTS and hook_free(off):
+                computed.append(Roots([GradientEdge(child, nr) for _, child, nr, _ in off],
+                                       [], [leaves for *_, leaves in off], True))
+            else:
+                self.boundary.append(Boundary(node, [(k, GradientEdge(child, nr), leaves)
+                                                      for k, child, nr, leaves in off]))
         handles = [b.node.register_prehook(partial(setattr, b, "incoming"))
                    for b in self.boundary]
         try:
-            self._input_only()
+            if computed:
+                self._input_capturing(computed)
+            else:
+                self._input_only()
         finally:
             for handle in handles:
                 handle.remove()
-        # W starts from the kept gradients: drop the roots, their gradients, and what only
-        # the input path saved (a ReLU's output, the loss's input). What the boundary
-        # nodes saved is freed once W has called them; the weight path frees itself.
+        self.known += computed
+        # W starts from the kept gradients: drop the roots and their gradients. What only
+        # the input path saved (a ReLU's output, the loss's input) goes in
+        # ``free_input_path``, once the input's gradient has been sent; what the boundary
+        # nodes saved is freed when W ends; the weight path frees itself.
         self.roots, self.grads = [], []
-        if self.saved is not None:
-            self.saved.release(graph.only, ())
-            self.saved.keep([b.node for b in self.boundary])
+        self.only = graph.only
+
+    def free_input_path(self) -> None:
+        """Free what only the input path saved (after ``input``; ``weight`` does it first
+        if it was not done): a stage calls it once the input's gradient has left, so that
+        the ~0.2 ms it takes (reading ~100 nodes' holders) does not delay that message."""
+        only, self.only = self.only, []
+        if only and self.saved is not None:
+            self.saved.release(only, ())
+            self.saved.prune()
 
     def _input_only(self) -> None:
-        _backprop(self.roots, self.grads, [self.wrt_input], keep=True)
+        backprop(self.roots, self.grads, [self.wrt_input], keep=True)
+
+    def _input_capturing(self, computed: List[Roots]) -> None:
+        """``_input_only``, the engine also handing back the gradients that enter the
+        ``computed`` nodes' edges: asked for (``inputs=``) without accumulating, they are
+        captured where they enter the accumulators, which do not run (``autograd.grad``'s
+        rule), so the parameters' post-accumulate hooks fire in W only, once."""
+        edges = [e for c in computed for e in c.edges]
+        got = _engine_run_backward(tuple(self.roots), tuple(self.grads), True, False,
+                                   (self.wrt_input, *edges), allow_unreachable=True,
+                                   accumulate_grad=False)
+        at = 1  # got[0]: the input's, which the input node's backward keeps itself
+        for c in computed:
+            c.grads = list(got[at:at + len(c.edges)])
+            at += len(c.edges)
 
     def weight(self, wrt: Sequence[Tensor], *, call: bool = True, plain: bool = False) -> None:
         """Accumulate the parameters' gradients (into the leaves ``wrt``); frees the graph.
@@ -256,7 +233,7 @@ class SplitBackward:
         ``wrt`` first (see the module's docstring for how each runs). ``call=False``:
         the engine runs every boundary node again, so that hooks on their outputs run
         in ``W`` too (FSDP2's pre-backward hook, which queues its gradient accumulation).
-        What the boundary nodes saved is freed at the end (``SavedTensors.free_all``).
+        What the forward saved is freed at the end (``SavedTensors.free_all``).
         ``plain``: the step's backward is over the whole graph (``GradSink.plain``), so
         every leaf behind the weight path gets its gradient, not only ``wrt``'s (after
         them): a tensor outside the pipe that a layer or ``loss_fn`` holds. A stage without
@@ -264,6 +241,7 @@ class SplitBackward:
         a whole rerun (a shared node) names them in ``inputs=`` (``_with_outside``).
         """
         try:
+            self.free_input_path()
             self._weight(wrt, call, plain)
         finally:
             if self.saved is not None:
@@ -273,37 +251,29 @@ class SplitBackward:
         if self.wrt_input is None or self.input_node is None or self.whole:  # all of it
             if self.roots and (wrt or plain):
                 if plain and self.wrt_input is None:
-                    _backprop(self.roots, self.grads, ())
+                    backprop(self.roots, self.grads, ())
                     return
                 targets = list(wrt)
                 if plain:
                     targets = _with_outside(targets, self.roots, self.wrt_input)
-                _backprop(self.roots, self.grads, autograd_inputs(targets))
+                backprop(self.roots, self.grads, autograd_inputs(targets))
             return
         order = {id(t): n for n, t in enumerate(wrt)}
         boundary, self.boundary = self.boundary, []
-        off_path, self.off_path = self.off_path, []
+        known, self.known = self.known, []
         if plain:  # every leaf behind the weight path, each listed there already
-            for behind in [b for *_, b in off_path] + [b for x in boundary for *_, b in x.off]:
+            for behind in [b for k in known for b in k.behind] + \
+                    [b for x in boundary for *_, b in x.off]:
                 for leaf in behind:
                     order.setdefault(id(leaf), len(order))
-
-        def targets(leaves: List[Tensor]) -> List[Any]:
-            return autograd_inputs(sorted(leaves, key=lambda t: order[id(t)]))
-
         # In a fixed order, the same on every replica (not the nodes' addresses): the
         # parameters registered last first, the order a plain backward produces them in
         # (and a reducer's buckets follow), so that post-accumulate hooks that issue
         # per-layer collectives issue them in the same order on every replica.
-        runs: List[Tuple[int, Optional[_Boundary], Any, Any, Sequence[Any], bool]] = []
-        for root, grad, behind in off_path:
-            leaves = [t for t in behind if id(t) in order]
-            if leaves:
-                runs.append((max(order[id(t)] for t in leaves), None, [root], [grad],
-                             targets(leaves), False))
         direct = call and not torch.is_anomaly_enabled()
+        runs: List[Any] = [k for k in known if k.plan(order)]  # Roots and Boundary
         called: List[GradientEdge] = []  # what the nodes called directly must compute
-        for b in boundary:
+        for b in boundary:  # each one's plan (inline: a call per node is measurable)
             if b.incoming is None:
                 continue
             ks, edges, leaves, every, last = [], [], [], True, -1
@@ -320,22 +290,21 @@ class SplitBackward:
                     every = every and len(leaves) - first == len(behind)
             if not ks:
                 continue
-            here = direct and not isinstance(b.node, torch._C._FunctionBase)
+            b.ks, b.edges, b.last = ks, edges, last
+            b.here = here = direct and not isinstance(b.node, torch._C._FunctionBase)
             if here:
                 called += edges
             # Called here, the node's outputs are the roots: when every leaf behind them is
             # wanted, the engine needs no ``inputs=`` (nor the walk that marks them).
-            runs.append((last, b, ks, edges, () if here and every else targets(leaves), here))
-        runs.sort(key=lambda run: -run[0])
+            b.inputs = () if here and every else sorted_inputs(leaves, order)
+            runs.append(b)
+        runs.sort(key=lambda run: -run.last)
         nested = bool(called)
 
         def work() -> None:
-            for _, b, ks, edges, inputs, here in runs:
-                if b is None:  # a root off the input path: ks, edges are its roots, grads
-                    _backprop(ks, edges, inputs, nested=nested)
-                else:
-                    b.run(ks, edges, inputs, here, nested)
+            for run in runs:
+                run.run(nested)
         if called:
-            _within_task(called, work)
+            within_task(called, work)
         else:
             work()

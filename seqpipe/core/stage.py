@@ -306,10 +306,13 @@ class Stage:
         return sink.weights(self.index) if sink is not None else self.used_parameters()
 
     def backward_input(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
-                       skip_grads: Dict[SkipKey, Optional[Tensor]]) -> Grads:
+                       skip_grads: Dict[SkipKey, Optional[Tensor]], *,
+                       free: bool = True) -> Grads:
         """The first half of a split backward (``I``): the gradients of the micro-batch's
         inputs and skips only, returned as ``backward`` returns them. The parameters'
-        gradients wait in ``state`` for ``backward_weight``."""
+        gradients wait in ``state`` for ``backward_weight``. What only the input path
+        saved is freed before returning; with ``free=False``, by ``free_input_path``
+        (a schedule's step: after sending the gradients, which are not to wait for it)."""
         if state.replay is not None:  # a checkpointed forward: recompute it, once
             if state.head is not None:  # the loss's graph first: the outputs' gradients
                 grad_outputs = self._input_half(state.head, grad_outputs, {}).inputs
@@ -320,13 +323,23 @@ class Stage:
             settle((*again.outputs.tensors, *again.skips.values()))  # unread: their collectives
             state.__dict__.update({k: v for k, v in fresh.__dict__.items()
                                    if k not in ("replay", "head")})
-        return self._input_half(state, grad_outputs, skip_grads)
+        grads = self._input_half(state, grad_outputs, skip_grads)
+        if free:
+            self.free_input_path(state)
+        return grads
+
+    @staticmethod
+    def free_input_path(state: TaskState) -> None:
+        """After ``backward_input(free=False)``: free what only its input path saved."""
+        for half in (state, state.head):
+            if half is not None and half.split is not None:
+                half.split.free_input_path()
 
     def _input_half(self, state: TaskState, grad_outputs: Sequence[Optional[Tensor]],
                     skip_grads: Dict[SkipKey, Optional[Tensor]]) -> Grads:
         roots, grads = self._pairs(state, grad_outputs, skip_grads)
         state.split = SplitBackward(roots, grads, state.entry.phony, state.entry.node,
-                                    saved=state.saved)
+                                    saved=state.saved, cheap=self.leaves is None)
         with self._backpropagating(state):
             state.split.input()
         return self._received_grads(state)

@@ -56,6 +56,7 @@ class TaskState:
     head: Optional["TaskState"] = None  # the loss's own graph, on a replayed last stage
     saved: Optional[SavedTensors] = None  # split: what the forward saved, freed after I
     stream: Optional[int] = None  # the seed of the backward's private stream, if it needs one
+    start: Optional[Tensor] = None  # on the last stage: the loss's gradient (its weight)
 
     def edges(self) -> List[GradientEdge]:
         """The roots of this micro-batch's graph on the stage (outputs and skips)."""

@@ -62,9 +62,9 @@ FLAT_OUTPUT = (
     "tensor; with labels: (loss, logits)); seq.origin.rebuild(out) gives the structure back")
 
 
-def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
-                    weight: float) -> Tensor:
-    """Micro-batch ``i``'s loss, times its ``weight``; checks what ``loss_fn`` returns."""
+def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn) -> Tensor:
+    """Micro-batch ``i``'s loss (its weight is applied by ``Tasks``: to the value it reports,
+    and to the gradient its backward starts from); checks what ``loss_fn`` returns."""
     # the first output with a batch dimension (a model's own loss, a scalar, may come first)
     batched = next((t for t in outputs.tensors if t.dim() > 0), None)
     if isinstance(target, Tensor) and target.dim() > 0 and batched is not None and \
@@ -73,19 +73,31 @@ def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn,
             f"micro-batch {i}: the output has {batched.shape[0]} samples but "
             f"its slice of the target has {target.shape[0]}; input and target need the "
             f"same batch size")
+    if torch.is_grad_enabled():  # (an enable_grad object costs a few µs per micro-batch)
+        return _checked(_called(loss_fn, outputs, target), outputs)
     with torch.enable_grad():
-        try:
-            loss = loss_fn(outputs.value, target)
-        except AttributeError as exc:  # ``out.logits``: the flat output, not a ModelOutput
-            if getattr(exc, "obj", None) is outputs.value:
-                exc.add_note(FLAT_OUTPUT)
-            raise
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
-                   else type(loss).__name__)
-            raise TypeError(f"loss_fn must return a scalar tensor (one number, e.g. a "
-                            f"mean-reduced loss), got {got}")
-        return joined(loss.reshape(()), outputs.tensors) * weight
+        return _checked(_called(loss_fn, outputs, target), outputs)
+
+
+def _called(loss_fn: LossFn, outputs: Batch, target: Any) -> Any:
+    """``loss_fn(output, target)``; an ``AttributeError`` read on the output (``out.logits``)
+    gets a note: ``loss_fn`` receives the flat output, not a ``ModelOutput``."""
+    try:
+        return loss_fn(outputs.value, target)
+    except AttributeError as exc:
+        if getattr(exc, "obj", None) is outputs.value:
+            exc.add_note(FLAT_OUTPUT)
+        raise
+
+
+def _checked(loss: Any, outputs: Batch) -> Tensor:
+    """``loss_fn``'s result as a 0-dim tensor the backward can start from (``joined``)."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
+               else type(loss).__name__)
+        raise TypeError(f"loss_fn must return a scalar tensor (one number, e.g. a "
+                        f"mean-reduced loss), got {got}")
+    return joined(loss if loss.dim() == 0 else loss.reshape(()), outputs.tensors)
 
 
 class Tasks:
@@ -102,7 +114,8 @@ class Tasks:
     seed: Optional[Tensor]  # the last stage's backward starts from it (loss scale), else 1
     split: Set[Tuple[int, int]]  # (stage, micro-batch) run as I then W
     states: Dict[Tuple[int, int], TaskState]
-    losses: List[Tensor]
+    losses: List[Tuple[Tensor, float]]  # each micro-batch's loss (detached) and its weight
+    starts: Dict[Tuple[torch.dtype, torch.device, float], Tensor]  # ``_start``'s, per call
 
     @property
     def num_stages(self) -> int:
@@ -130,9 +143,25 @@ class Tasks:
         """The gradients stage ``s``'s backward of micro-batch ``i`` starts from: on the last
         stage, that of the loss (``seed``, else 1); elsewhere, what ``receive_backward`` gets."""
         if s == self.num_stages - 1:
-            device = self.stages[s].device
-            return (self.seed if self.seed is not None else torch.ones((), device=device),), {}
+            return (self.states[(s, i)].start,), {}
         return self.receive_backward(s, i)
+
+    def _start(self, loss: Tensor, weight: float) -> Tensor:
+        """The gradient a last stage's backward starts from: ``weight`` times the loss
+        scale (``seed``, else 1) in the loss's dtype, as a 0-dim tensor made once per call
+        for each weight (``starts``; nothing writes it, autograd copies before keeping it)."""
+        key = (loss.dtype, loss.device, weight)
+        start = self.starts.get(key)
+        if start is None:
+            one = self.seed.to(loss.dtype) if self.seed is not None else \
+                torch.ones((), dtype=loss.dtype, device=loss.device)
+            start = self.starts[key] = one * weight
+        return start
+
+    def loss_sum(self) -> Tensor:
+        """The mini-batch loss: each micro-batch's loss times its weight, summed in schedule
+        order (the products made here, together, rather than one per micro-batch)."""
+        return torch.stack([loss * weight for loss, weight in self.losses]).sum()
 
     def _sink(self, s: int, i: int) -> Optional[GradSink]:
         return None
@@ -187,8 +216,13 @@ class Tasks:
             target, weight = targets[i], weights[i]
             with self._computing(Phase.FORWARD, s, i, EventKind.LOSS):  # loss_fn: once
                 loss = self.stages[s].loss(
-                    state, sent, lambda out: microbatch_loss(i, out, target, loss_fn, weight))
-            self.losses.append(loss.detach())
+                    state, sent, lambda out: microbatch_loss(i, out, target, loss_fn))
+            # The weight is not recorded by autograd: the loss's value is reported times it
+            # (``loss_sum``), and its backward starts from it (times the loss scale), as the
+            # gradient of ``loss * weight`` would reach the loss: the same numbers, one node
+            # and two small operations (cold, after a layer) fewer per micro-batch.
+            self.losses.append((loss.detach(), weight))
+            state.start = self._start(loss, weight)
         else:
             self.send_forward(s, i, sent)
         if state is not None:
@@ -200,12 +234,15 @@ class Tasks:
         stage = self.stages[s]
         grads, skip_grads = self.output_grads(s, i)
         if split:
+            state = self.states[(s, i)]
             with self._computing(Phase.BACKWARD_INPUT, s, i):
-                received = stage.backward_input(self.states[(s, i)], grads, skip_grads)
-        else:
-            with self._handing_over(s, i), self._computing(Phase.BACKWARD, s, i):  # hooks: once
-                received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
-                                          sink=self._sink(s, i))
+                received = stage.backward_input(state, grads, skip_grads, free=False)
+            self.send_backward(s, i, received)
+            stage.free_input_path(state)  # after the send: the gradients are not to wait
+            return
+        with self._handing_over(s, i), self._computing(Phase.BACKWARD, s, i):  # hooks: once
+            received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
+                                      sink=self._sink(s, i))
         self.send_backward(s, i, received)
 
     def backward_weight(self, s: int, i: int) -> None:

@@ -205,7 +205,8 @@ class Crossing:
         as the ``DTensor`` it is the gradient of. Plain messages pass unchanged."""
         layouts = (self._received.pop(_identity(kind, microbatch, key, origin), None)
                    if self._received and kind in _BACKWARD else None)
-        if layouts is None and not any(map(is_dtensor, tensors)):  # the usual case: at once
+        if layouts is None and (all(type(t) is Tensor or t is None for t in tensors)  # (plain:
+                                or not any(map(is_dtensor, tensors))):  # at once) the usual case
             return tensors, values
         sender, what = name(None), WHAT[kind]
         if kind in _BACKWARD:

@@ -313,7 +313,7 @@ class CallLifecycle:
                 stage.finish_forward()
             if (self.is_first and call.input_grads) or weights.leaves is not None:
                 hand_over(self._caller_grads(call, input, batches, weights))
-            loss = self.close(call, weights.report(torch.stack(call.losses).sum())
+            loss = self.close(call, weights.report(call.loss_sum())
                               if self.is_last else None)
             self._reduce(call.name())
             sharded.finish()  # the reductions of FSDP2's tied copies, summed by _reduce

@@ -49,7 +49,7 @@ from seqpipe.distributed.auto import ActionTimer
 from seqpipe.distributed.dtensor_wire import Crossing
 from seqpipe.distributed.plan import Planned
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
-from seqpipe.distributed.values import check_values
+from seqpipe.distributed.values import Values, check_values
 from seqpipe.schedule import Action, Phase, Placement
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
@@ -86,7 +86,8 @@ class Call(Tasks):
     local: Dict[Tuple[Kind, int, int, int], Message] = field(default_factory=dict)
     states: Dict[Tuple[int, int], TaskState] = field(default_factory=dict)
     outputs: List[Batch] = field(default_factory=list)
-    losses: List[Tensor] = field(default_factory=list)
+    losses: List[Tuple[Tensor, float]] = field(default_factory=list)  # (``Tasks``)
+    starts: Dict[Tuple[Any, Any, float], Tensor] = field(default_factory=dict)
     input_grads: List[Tuple[Optional[Tensor], ...]] = field(default_factory=list)  # stage
     # 0's input, per micro-batch: for the caller's graph (``seqpipe.core.caller_grads``)
     at: Any = "the start of the step"  # what runs now: a description, or an Action
@@ -152,17 +153,21 @@ class Call(Tasks):
         if src == self.rank:  # from a stage of this rank: handed over already
             message = self.local.pop(wanted)
         else:
-            with traced.receiving(self, src, wanted):
-                while wanted not in self.inbox:
-                    self._take(src, kind)
-            message = self.inbox.pop(wanted)
+            message = self.inbox.pop(wanted, None) if self.inbox else None
+            if message is None:
+                with traced.receiving(self, src, wanted):
+                    message = self._take(src, kind)
+                    while (message.kind, message.microbatch, message.key,
+                           message.origin) != wanted:  # (the plan's order: rarely)
+                        self.inbox[(message.kind, message.microbatch, message.key,
+                                    message.origin)] = message
+                        message = self._take(src, kind)
         return self.dtensors.incoming(message, src, self.name)
 
-    def _take(self, src: int, kind: Kind) -> None:
-        """Receive the next message from rank ``src`` into the inbox (waiting for a
-        ``kind``)."""
+    def _take(self, src: int, kind: Kind) -> Message:
+        """Receive the next message from rank ``src`` (waiting for a ``kind``)."""
         try:
-            message = self.transport.recv(src)
+            return self.transport.recv(src)
         except PeerError as exc:
             raise PeerError(f"{exc}\n  {self.name()} was at {self.action}, waiting "
                             f"for the {_WHAT[kind]} from {self.name(src)}",
@@ -171,7 +176,6 @@ class Call(Tasks):
             raise PeerError(
                 f"{self.name()} lost {self.name(src)} while at {self.action}, waiting "
                 f"for the {_WHAT[kind]}: {type(exc).__name__}: {exc}", peer=src) from exc
-        self.inbox[(message.kind, message.microbatch, message.key, message.origin)] = message
 
     def expect(self, src: int, planned: Sequence[Planned]) -> None:
         """Tell the transport what rank ``src`` will send next. It posts their receives
@@ -180,25 +184,23 @@ class Call(Tasks):
         self.transport.expect(src, planned)
 
     def send(self, dst: int, kind: Kind, microbatch: int, tensors: Sequence[Optional[Tensor]],
-             flags: Optional[Sequence[bool]] = None, **options: Any) -> None:
+             flags: Optional[Sequence[bool]] = None, *, key: int = -1, origin: int = -1,
+             atomic: bool = True, values: Values = (), count: int = 0) -> None:
         """Queue a message to rank ``dst``; a failure to send is the peer's failure."""
         tensors, values = self.dtensors.outgoing(  # a DTensor as its shard; this stage's errors
-            kind, microbatch, options.get("key", -1), options.get("origin", -1), tensors, flags,
-            options.get("values", ()), self.name)
-        if values:
-            options["values"] = values
+            kind, microbatch, key, origin, tensors, flags, values, self.name)
         if dst == self.rank:  # to a stage of this rank: cut from the graph, as if sent
             kept = tuple(t.detach() if t is not None else None for t in tensors)
-            check_values(options.get("values", ()))  # what could not cross to another rank
-            self.local[(kind, microbatch, options.get("key", -1), options.get("origin", -1))] = \
-                Message(kind, microbatch, options.get("key", -1), kept,
+            check_values(values)  # what could not cross to another rank
+            self.local[(kind, microbatch, key, origin)] = \
+                Message(kind, microbatch, key, kept,
                         tuple(flags) if flags is not None else (False,) * len(kept),
-                        atomic=options.get("atomic", True), origin=options.get("origin", -1),
-                        values=options.get("values", ()))
+                        atomic=atomic, origin=origin, values=values)
             return
         try:
-            with traced.sending(self, dst, kind, microbatch, options):
-                self.transport.send(dst, kind, microbatch, tensors, flags, **options)
+            with traced.sending(self, dst, kind, microbatch, key, origin):
+                self.transport.send(dst, kind, microbatch, tensors, flags, key=key,
+                                    count=count, atomic=atomic, origin=origin, values=values)
         except (TypeError, ValueError):  # what cannot be sent at all: this stage's error
             raise
         except Exception as exc:

@@ -2,7 +2,7 @@
 what, from (or to) which stage. See ``seqpipe.trace``; free while tracing is off."""
 from __future__ import annotations
 
-from typing import Any, Container, ContextManager, Dict, Optional, Protocol, Tuple
+from typing import Any, Container, ContextManager, Optional, Protocol, Tuple
 
 from seqpipe.distributed.wire import Kind
 from seqpipe.schedule import Placement
@@ -72,14 +72,13 @@ def receiving(call: TracedCall, src: int,
                       peer=peer, what=WHAT[kind])
 
 
-def sending(call: TracedCall, dst: int, kind: Kind, microbatch: int,
-            options: Dict[str, Any]) -> ContextManager[Any]:
+def sending(call: TracedCall, dst: int, kind: Kind, microbatch: int, key: int = -1,
+            origin: int = -1) -> ContextManager[Any]:
     """Handing one message to rank ``dst`` to the transport (the send itself is
     asynchronous)."""
     if not hooks.enabled():
         return hooks.OFF
-    stage, peer = _ends(call, dst, kind, options.get("key", -1), options.get("origin", -1),
-                        incoming=False)
+    stage, peer = _ends(call, dst, kind, key, origin, incoming=False)
     return hooks.span(EventKind.SEND, stage, None if microbatch < 0 else microbatch,
                       peer=peer, what=WHAT[kind])
 

@@ -2,9 +2,8 @@
 
 A message is one tensor-only buffer, or a header and one large tensor sent as it is
 (``seqpipe.distributed.wire``), so uneven micro-batches and batch sizes that change between
-steps need no agreement in advance. Sends are non-blocking: a stage never waits for its
-neighbour to receive, so schedules such as 1F1B cannot deadlock on sends. NCCL and gloo
-share this one code path.
+steps need no agreement in advance. Sends are non-blocking (1F1B cannot deadlock on sends);
+NCCL and gloo share this code path, each operation handed to its group (``p2p``).
 
 **Receiving ahead.** Each call, both ends of every pair of stages are told the same plan
 (``seqpipe.distributed.plan``): the messages one sends the other, in order. A receiver posts
@@ -53,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpipe.distributed import inflight
+from seqpipe.distributed import inflight, p2p
 from seqpipe.distributed.communicators import open_pairs
 from seqpipe.distributed.recycle import Headers, Spares
 from seqpipe.distributed.shapes import SeenShapes
@@ -109,11 +108,6 @@ class _Posted:
         return [(self.work, self.buffer)] + ([self.direct[::-1]] if self.direct else [])
 
 
-def _started(work: Optional[dist.Work]) -> dist.Work:
-    assert work is not None  # isend/irecv return None only for ranks outside the group
-    return work
-
-
 class Transport:
     """Sends and receives stage messages on ``group`` (stage index = rank in the group).
 
@@ -149,6 +143,7 @@ class Transport:
         self._side = torch.cuda.Stream(device) if self._pin else None
         self._arrived = torch.cuda.Event() if self._pin else None
         self._spares, self._headers = Spares(device), Headers()  # what repeats (``recycle``)
+        self._groups: p2p.Groups = {}  # this call's, checked (``begin``)
 
     # -- communicators -----------------------------------------------------------------
     def connect(self, channels: Iterable[Channel]) -> None:
@@ -157,13 +152,15 @@ class Transport:
 
     # -- a call's plan -----------------------------------------------------------------
     def begin(self) -> None:
-        """Start a call; refused after a failed one, whose messages may still be in flight."""
+        """Start a call; refused after a failed one, whose messages may still be in flight,
+        and (torch's ``ValueError``) on a process group destroyed since the last one."""
         if self.failure is not None:
             first = self.failure.splitlines()[0] if self.failure else "a stage failed"
             raise RuntimeError(
                 f"this pipeline failed in an earlier call ({first}); messages of that call "
                 f"may still be in flight, so it cannot run another. Create a new process "
                 f"group (torch.distributed.new_group) and a new DistributedPipe on it")
+        self._groups = p2p.groups(self.group, self.reverse)
 
     def expect(self, src: int, planned: Iterable["Planned"]) -> None:
         """The next messages stage ``src`` will send this one, in order."""
@@ -188,14 +185,14 @@ class Transport:
         return self.group if src < dst else self.reverse
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
-        work = _started(dist.isend(buffer, dst=self.global_rank(stage),
-                                   group=self.group_between(self.index, stage)))
+        work = p2p.isend(buffer, stage, self._groups.get(self.index < stage),  # (``p2p``)
+                         self.group_between(self.index, stage), self.global_rank)
         self.sent_bytes += buffer.numel() * buffer.element_size()
         self._pending[stage].append((taken_at, work, buffer, self._spares.ours(buffer)))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
-        return _started(dist.irecv(buffer, src=self.global_rank(stage),
-                                   group=self.group_between(stage, self.index)))
+        return p2p.irecv(buffer, stage, self._groups.get(stage < self.index),
+                         self.group_between(stage, self.index), self.global_rank)
 
     def _wait(self, work: dist.Work) -> None:
         work.wait() if self.timeout is None else work.wait(self.timeout)
@@ -203,6 +200,8 @@ class Transport:
     def post_due(self) -> None:
         """Post the receives put off so far (the rank is about to wait, or ended an action).
         One that fails (a lost peer) stays put off, to fail when needed, naming that peer."""
+        if not self._due:  # (after nearly every action)
+            return
         due, self._due = self._due, {}
         for src in due:
             if src in self._posted or not self._incoming[src]:
@@ -237,7 +236,7 @@ class Transport:
         header = header_words(kind, microbatch, key, count, atomic, actual != expected,
                               tensors, flags, origin=origin, values=values)
         for buffer in buffers(header, payload, expected, self.device, least=self.direct_bytes,
-                              pin=self._pin, alloc=self._spares.take):
+                              pin=self._pin, alloc=self._spares.take, actual=actual):
             self._isend(buffer, stage, taken_at)
         if planned is not None:
             self._seen_out.saw(stage, planned, actual)
@@ -292,7 +291,8 @@ class Transport:
             self._release(stage, planned.sent_at)
         if self.ahead and self._incoming[stage]:
             self._post(stage)  # now: its data can flow while this rank computes
-        tensors = tuple(None if s is None else payload.pop(0) for s in specs)
+        tensors = tuple(payload) if len(payload) == len(specs) else \
+            tuple(None if s is None else payload.pop(0) for s in specs)
         return Message(header.kind, header.microbatch, header.key, tensors, header.flags,
                        header.count, header.atomic, header.origin, header.values)
 
@@ -370,9 +370,8 @@ class Transport:
         back. The news is one message (the text rides in the header) that fills what the peer
         posted for its next message from this stage. It returns without waiting: that send,
         the call's unfinished sends and its posted receives stay alive (dropping one can
-        cancel it), and at exit the news gets up to ``patience`` to go out (``inflight``); a
-        dead peer is skipped. The transport refuses further calls: their messages would meet
-        this call's.
+        cancel it), and at exit the news gets up to ``patience`` to go out (``inflight``); a dead
+        peer is skipped. The transport refuses further calls (their messages would meet these).
         """
         self.failure = text
         header = encode_text(Kind.ABORT, text, pin=self._pin)

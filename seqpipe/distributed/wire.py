@@ -165,7 +165,8 @@ def placeholder(spec: Spec, device: torch.device) -> Tensor:
 
 def buffers(header: Union[Tensor, List[int]], payload: Sequence[Tensor], expected: Spec,
             device: torch.device, *, least: Optional[int] = DIRECT_BYTES,
-            pin: bool = False, alloc: Optional[Alloc] = None) -> List[Tensor]:
+            pin: bool = False, alloc: Optional[Alloc] = None,
+            actual: Optional[Spec] = None) -> List[Tensor]:
     """What a message sends, in order, to fill the receives its peer posted for a payload
     of ``expected`` (``receives``): the header, and
 
@@ -175,9 +176,10 @@ def buffers(header: Union[Tensor, List[int]], payload: Sequence[Tensor], expecte
       the payload on its own (the header says so: "reshaped"). A failure notice is a
       header whose payload is ``[]``.
 
-    The byte buffers (not a payload sent as it is, nor a placeholder) come from ``alloc``.
+    The byte buffers (not a payload sent as it is, nor a placeholder) come from ``alloc``;
+    ``actual``: ``spec_of(payload)``, where the caller has it.
     """
-    actual = spec_of(payload)
+    actual = spec_of(payload) if actual is None else actual
     reshaped = actual != expected
     if direct(expected, least):
         sent = [pack(header, [], HEADER_BYTES, device, pin=pin, alloc=alloc),

@@ -185,7 +185,7 @@ class LocalPipeline:
         if ties is not None:
             ties.flush()
         hooks.end_step(run.trace_step)
-        return run, torch.stack(step.losses).sum()
+        return run, step.loss_sum()
 
 
 def _tie_order(sink: Optional[GradSink]) -> Optional[TieOrder]:

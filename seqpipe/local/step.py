@@ -72,7 +72,8 @@ class LocalStep(Tasks):
         self.seed: Optional[Tensor] = None
         self.split = set(split)
         self.states = run.states
-        self.losses: List[Tensor] = []
+        self.losses: List[Tuple[Tensor, float]] = []
+        self.starts: Dict[Tuple[Any, Any, float], Tensor] = {}  # (``Tasks._start``)
         self.seeds = seeds
         self.from_loss = from_loss
         self.mailbox = Mailbox()
