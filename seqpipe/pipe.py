@@ -14,6 +14,7 @@ from seqpipe.core.checkpoint import check_mode, checkpoint_stop
 from seqpipe.core.fixed_layers import FixedLayers
 from seqpipe.core.loss_weights import CountFn
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
+from seqpipe.core.own_hooks import refuse_call_hooks
 from seqpipe.core.partition import (
     Device,
     refuse_meta,
@@ -169,6 +170,7 @@ class Pipe(FixedLayers):
             convert_deferred_batch_norm(module)
         for name, layer in module.named_children():
             self.add_module(name, layer)
+        self.keep_hooks_of(module)  # the Sequential's own hooks (core/own_hooks)
         self.balance: List[int] = list(balance)
         self.devices: List[torch.device] = list(placed)
         self.partitions: List[nn.Sequential] = partitions  # views: not registered twice
@@ -254,6 +256,7 @@ class Pipe(FixedLayers):
         forward and its gradients are averaged over the replicas once: call
         ``ddp.module.train_step(x, y, loss_fn, ddp=ddp)``.
         """
+        refuse_call_hooks(self, _STEP_HOOKS, _STEP_HOOKS_MEND)
         if ddp is None:
             step = TrainStep(input, target, loss_fn, schedule, count_fn, chunks=self.chunks,
                              num_partitions=len(self.partitions))
@@ -336,6 +339,13 @@ _COMPILE_WARNING = (
     "threads, which torch.compile cannot trace. Call pipe.compile() instead (or compile the "
     "layers before wrapping, with layer.compile()): it compiles every layer in place and "
     "keeps the state_dict keys")
+
+
+_STEP_HOOKS = ("Pipe.train_step, which hands each micro-batch's output to loss_fn on its "
+               "own and never calls the pipe's forward on the whole batch,")
+_STEP_HOOKS_MEND = ("register them on the layers instead (pipe[0] sees the input, pipe[-1] "
+                    "the output, per micro-batch), or train with out = pipe(x); "
+                    "loss_fn(out, y).backward(), which runs them as the model did")
 
 
 def _moving_error() -> RuntimeError:

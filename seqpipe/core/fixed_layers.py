@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 from torch import nn
 
+from seqpipe.core.own_hooks import keep_hooks
+
 __all__ = ["FixedLayers", "LAYER_FIXED"]
 
 LAYER_FIXED = ("layer {name!r} of this {cls} cannot be {what} after the pipe is built: its "
@@ -49,3 +51,8 @@ class FixedLayers(nn.Module):
         """``nn.Module.add_module``, refused for a name already registered (a layer)."""
         self._refuse(name, "replaced", module)
         super().add_module(name, module)
+
+    def keep_hooks_of(self, module: nn.Module, *, calls: bool = True) -> None:
+        """Run the hooks registered on the wrapped ``module`` itself: all of them, or (not
+        ``calls``) its state-dict hooks, refusing its call hooks (``seqpipe.core.own_hooks``)."""
+        keep_hooks(self, module, calls=calls)

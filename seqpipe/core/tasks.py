@@ -55,6 +55,13 @@ def _both(first: ContextManager[None], second: ContextManager[None]) -> Iterator
         yield
 
 
+FLAT_OUTPUT = (
+    "seqpipe: loss_fn receives each micro-batch's output as the pipeline's last layer returns "
+    "it (a tensor, or a tuple of tensors), never a model's output structure: for a model "
+    "converted by seqpipe.to_sequential, the flat output (GPT-2 without labels: the logits "
+    "tensor; with labels: (loss, logits)); seq.origin.rebuild(out) gives the structure back")
+
+
 def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn) -> Tensor:
     """Micro-batch ``i``'s loss (its weight is applied by ``Tasks``: to the value it reports,
     and to the gradient its backward starts from); checks what ``loss_fn`` returns."""
@@ -67,9 +74,20 @@ def microbatch_loss(i: int, outputs: Batch, target: Any, loss_fn: LossFn) -> Ten
             f"its slice of the target has {target.shape[0]}; input and target need the "
             f"same batch size")
     if torch.is_grad_enabled():  # (an enable_grad object costs a few µs per micro-batch)
-        return _checked(loss_fn(outputs.value, target), outputs)
+        return _checked(_called(loss_fn, outputs, target), outputs)
     with torch.enable_grad():
-        return _checked(loss_fn(outputs.value, target), outputs)
+        return _checked(_called(loss_fn, outputs, target), outputs)
+
+
+def _called(loss_fn: LossFn, outputs: Batch, target: Any) -> Any:
+    """``loss_fn(output, target)``; an ``AttributeError`` read on the output (``out.logits``)
+    gets a note: ``loss_fn`` receives the flat output, not a ``ModelOutput``."""
+    try:
+        return loss_fn(outputs.value, target)
+    except AttributeError as exc:
+        if getattr(exc, "obj", None) is outputs.value:
+            exc.add_note(FLAT_OUTPUT)
+        raise
 
 
 def _checked(loss: Any, outputs: Batch) -> Tensor:

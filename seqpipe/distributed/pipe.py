@@ -138,6 +138,7 @@ class DistributedPipe(FixedLayers):
                  mesh: Optional[DeviceMesh] = None) -> None:
         super().__init__()
         verify_module(module)
+        self.keep_hooks_of(module, calls=False)  # its call hooks refused (core/own_hooks)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (or launch with "

@@ -17,11 +17,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from seqpipe.core.own_hooks import call_hooks_of
 from seqpipe.distributed.ties import canonical_names
 from seqpipe.graph.calls import call_order, is_stateful
 from seqpipe.graph.cut import plan_layers
 from seqpipe.graph.errors import ConversionError, UntracedUnit, quiet_kernel_log
-from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS
+from seqpipe.graph.mode import FOLLOWS_MODE, REFUSED_MODE_OPS, TorchCalls, mode_dependent
 from seqpipe.graph.opaque import CHOSEN, Opaque, choose_opaque, stand_ins
 from seqpipe.graph.origin import Origin
 from seqpipe.graph.trace import trace
@@ -107,6 +108,7 @@ def to_sequential(model: nn.Module, example_args: Any = (),
                                             (args, kwargs))
         _warn_unloadable(model)
     found = check_units(model, units)
+    _check_glue_hooks(model, list(found.values()))  # before anything runs them
     dark = Opaque()
     chosen = choose_opaque(found, opaque)
     for name in chosen:
@@ -114,8 +116,11 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     while True:  # a unit the trace cannot enter becomes opaque, and the trace starts again
         try:
             with stand_ins(found, dark), quiet_kernel_log():
-                order = call_order(model, found, args, kwargs, explicit=units is not None)
+                with TorchCalls(model) as calls:
+                    order = call_order(model, found, args, kwargs, explicit=units is not None)
                 _check_chosen(chosen, order)
+                by_mode = mode_dependent(model, {n: found[n] for n in order}, args, kwargs,
+                                         calls.calls)
                 traced = trace(model, args, kwargs, found, order, dynamic_shapes,
                                dark.reasons)
             break
@@ -133,6 +138,9 @@ def to_sequential(model: nn.Module, example_args: Any = (),
     layers = [build_unit(i, layer, traced.graph_module, plan.free, traced.device, ns,
                          persistent, layer.unit in dark) for i, layer in enumerate(plan.layers)]
     _own_tables(layers, model, persistent)
+    if by_mode:  # its glue branches on training: each layer runs in this mode only
+        for layer in layers:
+            layer.traced_mode = (found[layer.unit].training, layer.unit, type(model).__name__)
     seq = ConvertedSequential(*layers)
     flat = pytree.tree_leaves((args, kwargs))
     seq.origin = Origin(type(model).__name__, traced.in_spec, traced.out_spec,
@@ -238,6 +246,27 @@ def _check_glue(gm: fx.GraphModule, model: nn.Module, units: set) -> None:
                 f"module {path!r} ({type(owner).__name__}) holds parameters, buffers or "
                 f"train/eval behaviour but is not inside a unit, so the trace would take its "
                 f"work out of your module object; add it to units=[...] (or its parent)")
+
+
+def _check_glue_hooks(model: nn.Module, units: Sequence[nn.Module]) -> None:
+    """Refuse a forward or backward hook on a module whose forward is traced into the glue
+    (the model itself, a container above the units): the trace ran it at conversion only,
+    and kept what it changed in every call, removed or not (a logging hook never ran again,
+    an output hook stayed after ``handle.remove()``)."""
+    inside = {id(m) for unit in units for m in unit.modules()}
+    for path, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        found = call_hooks_of(module)
+        if found:
+            who = f"module {path!r}" if path else "the model itself"
+            raise ConversionError(
+                f"{who} ({type(module).__name__}) has {', '.join(found)}, and its forward is "
+                f"traced into the glue between units: the hook would run at conversion only, "
+                f"and what it changed would stay in every call (even once it is removed). "
+                f"Remove it before converting (handle.remove()) and register it on a unit "
+                f"(units run eagerly, hooks included), or on the converted model, or on its "
+                f"Pipe, which run it once per call on the whole batch")
 
 
 def _written_attribute(node: fx.Node) -> Optional[str]:

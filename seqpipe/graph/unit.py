@@ -15,14 +15,14 @@ it runs (``seqpipe.graph.mode``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from seqpipe.graph.cut import Layer
-from seqpipe.graph.mode import FOLLOWS_MODE, MODE_ARG
+from seqpipe.graph.mode import FOLLOWS_MODE, MODE_ARG, check_mode
 from seqpipe.skip import Namespace, pop, skippable, stash
 
 __all__ = ["Unit", "build_unit"]
@@ -33,6 +33,9 @@ class Unit(nn.Module):
 
     stash_order: Tuple[str, ...] = ()
     pop_order: Tuple[str, ...] = ()
+    # set where the model's glue branches on ``training``: (the unit's mode at conversion,
+    # its name, the model's class); then the layer runs in that mode only (graph.mode)
+    traced_mode: Optional[Tuple[bool, str, str]] = None
 
     def __init__(self, unit: str, opaque: bool = False) -> None:
         super().__init__()
@@ -40,13 +43,23 @@ class Unit(nn.Module):
         self.opaque = opaque  # traced as one call, never entered (``seqpipe.graph.opaque``)
         self._code: Callable[..., Tuple[Any, ...]] = _nothing  # generated: (self, *values)
         self._outputs = 0
+        self._inputs = 0
 
     def forward(self, input: Any) -> Iterator[Any]:
+        if self.traced_mode is not None:
+            check_mode(self.get_submodule(self.unit), self.traced_mode)
         items = input if isinstance(input, tuple) else (input,)
+        if len(items) != self._inputs:
+            raise TypeError(_arity(self, len(items)))
         popped = []
         for name in self.pop_order:
             popped.append((yield pop(name)))
-        results = self._code(self, *items, *popped)
+        try:
+            results = self._code(self, *items, *popped)
+        except RuntimeError as exc:  # export's dtype check in the glue: the model was cast
+            if str(exc).startswith(_DTYPE_CHECK):
+                exc.add_note(_DTYPE_MEND)
+            raise
         outs = results[:self._outputs]
         for name, value in zip(self.stash_order, results[self._outputs:]):
             yield stash(name, value)
@@ -58,6 +71,28 @@ class Unit(nn.Module):
 
 def _nothing(self: nn.Module, *args: Any) -> Tuple[Any, ...]:
     return ()
+
+
+# the message of ``aten._assert_tensor_metadata``, which export puts before a ``.to(dtype)``
+_DTYPE_CHECK = "Tensor dtype mismatch!"
+_DTYPE_MEND = (
+    "seqpipe: the glue between units (the code of the model's own forward) was traced with "
+    "the dtypes of the conversion, which are fixed like the sizes; the model or its input "
+    "now has another dtype (model.to(torch.bfloat16), pipe.half() after converting). Convert "
+    "the model in the dtype it runs in: cast it first, then seqpipe.to_sequential(model, "
+    "...)")
+
+
+def _arity(unit: Unit, given: int) -> str:
+    """What is wrong when ``unit`` is handed ``given`` values: for the first layer, the
+    model's own arguments instead of the pipeline's flat input (``pipe(ids)``)."""
+    return (f"layer {type(unit).__name__} (unit {unit.unit!r}) of a model converted by "
+            f"seqpipe.to_sequential takes {unit._inputs} values, got {given}. A pipeline of a "
+            f"converted model takes the flat tuple that seq.origin.pipeline_input(*args, "
+            f"**kwargs) makes from the model's own arguments, by the names of the example "
+            f"(pipe(seq.origin.pipeline_input(ids, attention_mask=mask, use_cache=False))); "
+            f"calling seq itself takes the model's arguments (seq(ids, attention_mask=mask, "
+            f"use_cache=False))")
 
 
 def build_unit(index: int, layer: Layer, root: fx.GraphModule, free: Set[fx.Node],
@@ -126,6 +161,7 @@ def build_unit(index: int, layer: Layer, root: fx.GraphModule, free: Set[fx.Node
     _hide_trace_tensors(unit, persistent)
     unit._code = type(code).forward  # a plain function of the unit: copies stay whole
     unit._outputs = len(outs)
+    unit._inputs = len(layer.inputs)
     unit.isolate(ns)
     return unit
 

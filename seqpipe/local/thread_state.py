@@ -1,7 +1,8 @@
 """The caller's thread-local state, carried into the worker threads that run the stages.
 
 PyTorch keeps many settings per thread: the saved-tensor hooks
-(``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``), the Python mode stacks
+(``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``), autograd's multithreading
+and view-replay flags, the Python mode stacks
 (``TorchDispatchMode`` such as ``FlopCounterMode``, ``TorchFunctionMode`` such as
 ``with torch.device(...)`` and ``torch.set_default_device``), autocast, inference mode,
 the intra-op thread count and the current stream of each accelerator. Autograd carries
@@ -141,6 +142,10 @@ class ThreadState:
             if torch.is_autocast_enabled(kind)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.inference = torch.is_inference_mode_enabled()
+        # autograd's other per-thread flags (torch.autograd.set_multithreading_enabled, and
+        # _force_original_view_tracking, which functionalization sets)
+        self.multithreading = torch.autograd.is_multithreading_enabled()
+        self.view_replay = torch.autograd.is_view_replay_enabled()
         self.dispatch_modes = _get_current_dispatch_mode_stack()
         self.function_modes = _get_current_function_mode_stack()
         self.saved_hooks: Optional[Tuple[Any, Any]] = (
@@ -176,6 +181,10 @@ class ThreadState:
             stack.enter_context(on_stream(stream))
         if self.inference:
             stack.enter_context(torch.inference_mode())
+        if not self.multithreading:
+            stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        if self.view_replay:
+            stack.enter_context(torch.autograd._force_original_view_tracking(True))
         for kind, dtype in self.autocast:
             stack.enter_context(torch.autocast(kind, dtype=dtype,
                                                cache_enabled=self.autocast_cache))
