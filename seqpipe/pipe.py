@@ -60,7 +60,8 @@ class _PipeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: "_Call", phony: Tensor,  # type: ignore[override]
                 *tensors: Tensor) -> Tuple[Tensor, ...]:
-        outputs = call.forward()
+        outputs = call.outputs if call.outputs is not None else call.forward()
+        call.outputs = None  # they become this Function's outputs: no cycle through ``ctx``
         ctx.call = call
         return pipeline_outputs(ctx, outputs)
 
@@ -79,6 +80,7 @@ class _Call:
         self.microbatches = given.microbatches(pipe.chunks)
         self.run: Optional[LocalRun] = None
         self.shape = Batch((), True)  # the output's, once known: its tensors come apart
+        self.outputs: Optional[Tuple[Tensor, ...]] = None  # once run (``forward``)
 
     def forward(self) -> Tuple[Tensor, ...]:
         mode = self.pipe.checkpoint if self.pipe.training and self.grad else "never"
@@ -89,6 +91,7 @@ class _Call:
         self.run.outputs = []
         gathered = Batch.of(gather(outputs))  # a constant: a list, a value per micro-batch
         self.shape = gathered.like(())
+        self.outputs = gathered.tensors
         return gathered.tensors
 
     def backward(self, grads: Sequence[Optional[Tensor]],
@@ -102,6 +105,16 @@ class _Call:
         sums = self.pipe._pipeline.backward(self.run, per_mb, whole)
         input_grads = [self._input_grad(j) for j in range(len(self.input.batch.tensors))]
         return input_grads + [sums.get(p) for p in self.params]
+
+    def recorded(self) -> bool:
+        """Whether the forward (run with grad) gave an output that requires grad."""
+        return self.run is not None and self.run.recorded
+
+    def release(self) -> None:
+        """After a forward with grad that recorded nothing: let its state go, as after an
+        inference call."""
+        assert self.run is not None
+        self.pipe._pipeline.release(self.run)
 
     def _input_grad(self, j: int) -> Optional[Tensor]:
         assert self.run is not None
@@ -290,11 +303,20 @@ class Pipe(FixedLayers):
             refuse_outer_checkpoint()  # torch.utils.checkpoint around the call, by name
         grad = sink is not None and (
             bool(sink.params) or any(t.requires_grad for t in batch.tensors))
-        call = _Call(self, given, sink, grad)
+        call = _Call(self, given, sink, sink is not None)
         if grad:
             outputs = _PipeFunction.apply(call, PHONY, *batch.tensors, *call.params)
         else:
+            # Nothing of the pipe's or the input wants a gradient. Under grad mode the plain
+            # model records a graph exactly where a tensor the layers hold does (an adapter
+            # outside a frozen base): run with grad on (autograd records nothing where
+            # nothing requires grad), and join the caller's graph only if it recorded.
             outputs = call.forward()
+            if sink is not None:
+                if call.recorded():
+                    outputs = _PipeFunction.apply(call, PHONY, *batch.tensors)
+                else:
+                    call.release()
         return call.shape.like(outputs).value
 
     # ``_run`` with dynamo off inside (torch.compiler.disable, but torch._dynamo is imported

@@ -8,14 +8,16 @@ import signal
 import time
 from datetime import timedelta
 from typing import List, Tuple
+from unittest import mock
 
 import pytest
+import test_loss_order as order
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distributed_harness import Failures, run_workers
-from seqpipe.distributed import DistributedPipe, PeerError, inflight
+from seqpipe.distributed import DistributedPipe, PeerError, inflight, rebuild
 from seqpipe.distributed.data_parallel import GradientReducer
 
 
@@ -144,11 +146,83 @@ def _injected(rank: int, world: int) -> None:
     assert "the output has 2 samples but its slice of the target has 4" in str(info.value)
     pipe = _pipe(nn.Linear(4, 4), "1f1b", dist.new_group(list(range(world))))
     assert torch.isfinite(_step(pipe, rank, world))  # a fresh group works after failures
+    _rebuilds_on_a_failed_group(rank, world)
+    _loss_in_micro_batch_order(rank, world)
+
+
+def _failing_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    raise ZeroDivisionError("boom in loss")
+
+
+def _rebuild_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def _rebuilt_trains(group: object, rank: int, world: int, what: str) -> None:
+    """A pipe on ``group``, where a call failed with messages still in flight (the last
+    stage's loss_fn raises on micro-batch 0 under fill_drain: stage 1 has sent more
+    activations than stage 2 took), then a new pipe on the same group, of other sizes
+    (fewer micro-batches, another clock), trains as the plain model."""
+    pipe = DistributedPipe(_rebuild_model(), chunks=4, balance=[1, 2, 1], schedule="fill_drain",
+                           checkpoint="never", group=group)  # type: ignore[arg-type]
+    with pytest.raises(Exception) as info:
+        _step(pipe, rank, world, _failing_loss)
+    assert isinstance(info.value, ZeroDivisionError if rank == world - 1 else PeerError), \
+        f"{what}: {info.value!r}"
+    pipe = DistributedPipe(_rebuild_model(), chunks=2, balance=[1, 2, 1], schedule="1f1b",
+                           checkpoint="never", group=group)  # type: ignore[arg-type]
+    plain = _rebuild_model()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    expected = nn.functional.mse_loss(plain(x), y)
+    expected.backward()
+    loss = pipe.train_step(x if rank == 0 else None, y if rank == world - 1 else None,
+                           nn.functional.mse_loss)
+    torch.testing.assert_close(loss, expected.detach(), msg=what)
+    grads = dict(plain.named_parameters())
+    for name, param in pipe.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, msg=f"{what}: {name}")
+    out = pipe(x if rank == 0 else None)  # and its forward
+    if rank == world - 1:
+        torch.testing.assert_close(out, plain(x), msg=what)
+
+
+def _rebuilds_on_a_failed_group(rank: int, world: int) -> None:
+    """docs/distributed.md's old crash: a new pipe on the default group after a failed call
+    on it aborted inside gloo (a stale message met the new pipe's first receive). Now each
+    pipe talks on its own tag; where tags do not keep messages apart (NCCL, forced here on
+    gloo) a pipe built after a failed call talks on a fresh group of the same ranks."""
+    _rebuilt_trains(None, rank, world, "default group")
+    group = dist.new_group(list(range(world)))
+    with mock.patch.object(rebuild, "fresh_needed", lambda g: True):
+        _rebuilt_trains(group, rank, world, "fresh group (as on NCCL)")
+        pipe = DistributedPipe(_rebuild_model(), chunks=2, balance=[1, 2, 1], group=group)
+    assert pipe._transport.group is not group and pipe.group is group  # made after a failure
+    healthy = dist.new_group(list(range(world)))
+    with mock.patch.object(rebuild, "fresh_needed", lambda g: True):
+        pipe = DistributedPipe(_rebuild_model(), chunks=2, balance=[1, 2, 1], group=healthy)
+    assert pipe._transport.group is healthy  # no failed call there: no new group
+
+
+def _loss_in_micro_batch_order(rank: int, world: int) -> None:
+    """``tests/test_loss_order.py``'s check on ``DistributedPipe``: the returned loss is the
+    plain sum of the micro-batch losses in micro-batch order, bit for bit."""
+    for schedule in ("1f1b", "zb_h1"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(3)])
+        pipe = DistributedPipe(model, chunks=len(order.VALUES), balance=[1, 1, 1],
+                               schedule=schedule, checkpoint="never")
+        loss = pipe.train_step(torch.ones(len(order.VALUES), 1) if rank == 0 else None,
+                               order.targets() if rank == world - 1 else None,
+                               order.target_loss, count_fn=order.one)
+        assert torch.equal(loss, order.plain_sum()), (schedule, loss.item())
 
 
 def test_exception_in_one_stage_raises_on_every_rank() -> None:
     """Forward and backward failures under both clocks (and in the weight half of a middle
-    stage's last backward), and a bad loss_fn."""
+    stage's last backward), and a bad loss_fn; then new pipes on the groups of failed
+    calls, and the mini-batch loss's order of addition."""
     run_workers(_injected, 3, timeout=150)
 
 

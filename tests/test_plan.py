@@ -347,7 +347,7 @@ def aborts(k: int, clock: str, grad: bool, layout: SkipLayout
     actions = actions_of(clock, k, 4, grad)
     sent: List[int] = []
 
-    def isend(buffer: Tensor, dst: int, group: Any = None) -> FakeWork:
+    def isend(buffer: Tensor, dst: int, group: Any = None, tag: int = 0) -> FakeWork:
         sent.append(dst)
         return FakeWork()
 

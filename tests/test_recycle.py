@@ -36,7 +36,7 @@ def sent() -> Iterator[List[Tuple[Tensor, bytes]]]:
     """Every tensor the transport sends, as the object sent and its bytes when sent."""
     log: List[Tuple[Tensor, bytes]] = []
 
-    def isend(buffer: Tensor, dst: int, group: Any = None) -> _Done:
+    def isend(buffer: Tensor, dst: int, group: Any = None, tag: int = 0) -> _Done:
         log.append((buffer, buffer.detach().contiguous().view(-1).view(torch.uint8)
                     .numpy().tobytes()))
         return _Done()

@@ -39,7 +39,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -47,7 +47,8 @@ from torch import Tensor
 from seqpipe.core.caller_grads import TargetLeaves
 from seqpipe.core.microbatch import Batch, Input
 
-__all__ = ["CountFn", "IGNORED_LABEL", "LossWeights", "Replicas", "joined", "loss_weights"]
+__all__ = ["CountFn", "IGNORED_LABEL", "LossWeights", "Replicas", "in_order", "joined",
+           "loss_weights"]
 
 CountFn = Callable[[Any], Union[int, float, Tensor]]
 IGNORED_LABEL = -100  # torch's cross_entropy ignore_index, Hugging Face's label padding
@@ -124,6 +125,23 @@ def loss_weights(target: Any, m: int, count_fn: Optional[CountFn] = None,
     weight = size / total if total else 0.0  # nothing counted: the sums are 0, so is the loss
     reported = total / (size * local) if local else 0.0
     return LossWeights(targets, [weight] * m, reported, leaves)
+
+
+def in_order(losses: Mapping[int, Tensor]) -> Tensor:
+    """The weighted micro-batch losses (by micro-batch index) added one at a time in
+    micro-batch order, ``((l0 + l1) + l2) + ...``: the plain model's sum of its micro-batch
+    losses in order, bit for bit, whichever order the schedule computed them in (a custom
+    schedule may run the last stage's forwards out of order) and on either engine. Float
+    addition is not associative: summed in the order they arrived, or as one
+    ``torch.stack(...).sum()`` (which adds 16 or more values in another association), the
+    returned loss differed in its last bits between schedules."""
+    total: Optional[Tensor] = None
+    for i in sorted(losses):
+        total = losses[i] if total is None else total + losses[i]
+    if total is None:
+        raise ValueError("no micro-batch loss to add up: the step ran no forward on the last "
+                         "stage")
+    return total
 
 
 class _Joined(torch.autograd.Function):

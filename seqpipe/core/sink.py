@@ -46,12 +46,10 @@ autograd without passing through a torch function under the mode (a custom
 autograd records the real parameter: the stage's backward lists the real parameters too,
 so its gradient still lands, in ``.grad``, once per micro-batch.
 
-Under ``torch.compile`` the substitution is traced into the compiled graph; there it
-tells parameters apart by type rather than by looking up each tensor's ``id`` (which would
-make the compiled code guard on every activation's identity and recompile for each
-micro-batch). Outside compiled code, it costs one Python call per torch operation while a
-partition runs (the backward is not affected), which is why it is kept for the calls that
-need it: docs/pipe.md gives the measured figures.
+Under ``torch.compile`` the substitution is traced, telling parameters apart by type (an
+``id`` lookup would make compiled code guard on every activation and recompile per
+micro-batch). Outside it, it costs one Python call per torch operation while a partition
+runs, hence only for the calls that need it (figures: docs/pipe.md).
 """
 from __future__ import annotations
 
@@ -215,10 +213,12 @@ class GradSink:
         raise NotImplementedError
 
     _shared: List[Tensor] = []
+    own: Trainable = []  # per partition, its trainable parameters
+    _aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias (``AliasSink``)
 
-    def shared_leaves(self) -> List[Tensor]:
-        """Where each parameter that several partitions use accumulates (it, or its alias)."""
-        return self._shared
+    def shared_leaves(self, held: Sequence[Tensor] = ()) -> List[Tensor]:
+        """Where tensors several partitions use accumulate: ties, then ``held`` (``core.held``)."""
+        return [*self._shared, *(self._aliases.get(id(t), t) for t in held)]
 
     def hold(self, whole: bool = False) -> None:
         """Before the call's first backward, where the sums are to be handed to autograd
@@ -245,7 +245,7 @@ class AliasSink(GradSink):
         self.params = []
         self._aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias
         self._modes: List[_Substitute] = []
-        self._own = trainable(partitions) if own is None else own
+        self.own = self._own = trainable(partitions) if own is None else own
         self._leaves: List[List[Tensor]] = []
         by_alias: Dict[int, nn.Parameter] = {}  # id(alias) -> parameter
         for mine in self._own:
@@ -309,7 +309,7 @@ class DirectSink(GradSink):
     gradients accumulate in ``.grad`` (see the module docstring)."""
 
     def __init__(self, partitions: Sequence[nn.Module], own: Optional[Trainable] = None) -> None:
-        own = trainable(partitions) if own is None else own
+        self.own = own = trainable(partitions) if own is None else own
         if len(own) == 1:  # one partition (a one-stage call, a distributed stage's step)
             self.params = list(own[0])
             self._weights = [self.params]

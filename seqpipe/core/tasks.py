@@ -12,7 +12,8 @@ engine for those through four methods (``receive_forward``, ``send_forward``,
 The mini-batch loss is the sum of the micro-batch losses, each times a weight fixed before
 the step (``seqpipe.core.loss_weights``: its share of the samples, or one over the mini-batch's
 count), so that the loss and the gradients are those of the whole batch, whatever the
-micro-batches hold.
+micro-batches hold; the losses are added in micro-batch order (``loss_weights.in_order``),
+not in the order the schedule computed them.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from typing import (
     ContextManager,
     Dict,
     Iterator,
-    List,
     Mapping,
     Optional,
     Sequence,
@@ -34,7 +34,7 @@ from typing import (
 import torch
 from torch import Tensor
 
-from seqpipe.core.loss_weights import joined
+from seqpipe.core.loss_weights import in_order, joined
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Grads, Received, Sent, Stage, TaskState
@@ -114,7 +114,7 @@ class Tasks:
     seed: Optional[Tensor]  # the last stage's backward starts from it (loss scale), else 1
     split: Set[Tuple[int, int]]  # (stage, micro-batch) run as I then W
     states: Dict[Tuple[int, int], TaskState]
-    losses: List[Tuple[Tensor, float]]  # each micro-batch's loss (detached) and its weight
+    losses: Dict[int, Tuple[Tensor, float]]  # by micro-batch: its loss (detached), its weight
     starts: Dict[Tuple[torch.dtype, torch.device, float], Tensor]  # ``_start``'s, per call
 
     @property
@@ -159,9 +159,10 @@ class Tasks:
         return start
 
     def loss_sum(self) -> Tensor:
-        """The mini-batch loss: each micro-batch's loss times its weight, summed in schedule
-        order (the products made here, together, rather than one per micro-batch)."""
-        return torch.stack([loss * weight for loss, weight in self.losses]).sum()
+        """The mini-batch loss: each micro-batch's loss times its weight, added in
+        micro-batch order (``loss_weights.in_order``: the plain model's sum, whatever order
+        the schedule ran them in; the products made here rather than one per micro-batch)."""
+        return in_order({i: loss * weight for i, (loss, weight) in self.losses.items()})
 
     def _sink(self, s: int, i: int) -> Optional[GradSink]:
         return None
@@ -221,7 +222,7 @@ class Tasks:
             # (``loss_sum``), and its backward starts from it (times the loss scale), as the
             # gradient of ``loss * weight`` would reach the loss: the same numbers, one node
             # and two small operations (cold, after a layer) fewer per micro-batch.
-            self.losses.append((loss.detach(), weight))
+            self.losses[i] = (loss.detach(), weight)  # added in order: ``loss_sum``
             state.start = self._start(loss, weight)
         else:
             self.send_forward(s, i, sent)

@@ -45,18 +45,21 @@ def gather_ints(values: Sequence[int], group: Optional[dist.ProcessGroup],
 
 def check_same_model(module: nn.Sequential, config: Tuple[Any, ...],
                      group: Optional[dist.ProcessGroup], device: torch.device,
-                     who: str = "ranks") -> int:
+                     who: str = "ranks", extra: Sequence[int] = ()
+                     ) -> Tuple[int, List[List[int]]]:
     """Raise ``ValueError`` on every rank of ``group`` unless all built the same model with
-    the same ``config``; return the shared checksum. ``who`` names the ranks in the message
+    the same ``config``; return the shared checksum, and every rank's ``extra`` (as many on
+    each rank), gathered in the same collective. ``who`` names the ranks in the message
     (``"stages"`` when each holds one stage)."""
-    values = [v for v, in gather_ints([_fingerprint(module, config)], group, device)]
+    gathered = gather_ints([_fingerprint(module, config), *extra], group, device)
+    values = [v[0] for v in gathered]
     odd = [r for r, v in enumerate(values) if v != values[0]]
     if odd:
         raise ValueError(
             f"{who} {odd} built a different model or pipeline settings than {who[:-1]} 0 "
             f"(layers, parameter shapes, balance, chunks, checkpoint or schedule differ); "
             f"every rank must construct DistributedPipe from the same model and arguments")
-    return values[0]
+    return values[0], [v[1:] for v in gathered]
 
 
 def call_kind(grad: bool, scaled: bool) -> Tuple[int, int]:

@@ -25,6 +25,7 @@ class _Ends(Protocol):
     reverse: Optional[dist.ProcessGroup]
     device: torch.device
     index: int
+    tag: int
 
     def global_rank(self, stage: int) -> int: ...
 
@@ -51,9 +52,11 @@ def open_pairs(transport: _Ends, channels: Iterable[Tuple[int, int]]) -> None:
     for _, (src, dst) in sorted(links.items()):
         group = transport.group_between(src, dst)
         if transport.index == src:
-            work = dist.isend(token, dst=transport.global_rank(dst), group=group)
+            work = dist.isend(token, dst=transport.global_rank(dst), group=group,
+                              tag=transport.tag)
         elif transport.index == dst:
-            work = dist.irecv(token, src=transport.global_rank(src), group=group)
+            work = dist.irecv(token, src=transport.global_rank(src), group=group,
+                              tag=transport.tag)
         else:
             continue
         assert work is not None  # None only for ranks outside the group

@@ -142,10 +142,14 @@ def reverse_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
     return _REVERSE.get(key)
 
 
-def _new_group(ranks: list, like: dist.ProcessGroup) -> dist.ProcessGroup:
+def _new_group(ranks: list, like: dist.ProcessGroup, *, local: bool = False
+               ) -> dist.ProcessGroup:
     """A group of ``ranks`` with ``like``'s backend and timeout (not the backend default,
-    30 minutes on gloo: the timeout bounds how long a receive waits for a silent peer)."""
-    new = dist.new_group(ranks, timeout=_timeout(like), backend=dist.get_backend(like))
+    30 minutes on gloo: the timeout bounds how long a receive waits for a silent peer).
+    Every rank of the world makes it, or with ``local`` only ``ranks`` do
+    (``use_local_synchronization``; this rank must be one of them)."""
+    new = dist.new_group(ranks, timeout=_timeout(like), backend=dist.get_backend(like),
+                         use_local_synchronization=local)
     assert new is not None
     return new
 

@@ -41,17 +41,19 @@ def _started(work: Optional[dist.Work]) -> dist.Work:
 
 
 def isend(buffer: Tensor, stage: int, direct: Optional[dist.ProcessGroup],
-          group: Optional[dist.ProcessGroup], global_rank: Callable[[int], int]) -> dist.Work:
-    """Send ``buffer`` to ``stage`` (its rank in the group): on ``direct`` (this call's
-    checked group, ``None`` before a call), else through ``dist.isend`` on ``group``."""
+          group: Optional[dist.ProcessGroup], global_rank: Callable[[int], int],
+          tag: int = 0) -> dist.Work:
+    """Send ``buffer`` to ``stage`` (its rank in the group) with ``tag``: on ``direct``
+    (this call's checked group, ``None`` before a call), else through ``dist.isend``."""
     if direct is not None and dist.isend is _TORCH[0] and not buffer.is_complex():
-        return (dist.group.WORLD if direct is _DEFAULT else direct).send([buffer], stage, 0)
-    return _started(dist.isend(buffer, dst=global_rank(stage), group=group))
+        return (dist.group.WORLD if direct is _DEFAULT else direct).send([buffer], stage, tag)
+    return _started(dist.isend(buffer, dst=global_rank(stage), group=group, tag=tag))
 
 
 def irecv(buffer: Tensor, stage: int, direct: Optional[dist.ProcessGroup],
-          group: Optional[dist.ProcessGroup], global_rank: Callable[[int], int]) -> dist.Work:
+          group: Optional[dist.ProcessGroup], global_rank: Callable[[int], int],
+          tag: int = 0) -> dist.Work:
     """Receive ``buffer`` from ``stage`` (as ``isend``)."""
     if direct is not None and dist.irecv is _TORCH[1] and not buffer.is_complex():
-        return (dist.group.WORLD if direct is _DEFAULT else direct).recv([buffer], stage, 0)
-    return _started(dist.irecv(buffer, src=global_rank(stage), group=group))
+        return (dist.group.WORLD if direct is _DEFAULT else direct).recv([buffer], stage, tag)
+    return _started(dist.irecv(buffer, src=global_rank(stage), group=group, tag=tag))

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
-from dataclasses import replace
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -32,20 +30,19 @@ from seqpipe.distributed.dtensor_wire import check_mesh
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.lifecycle import CallLifecycle
 from seqpipe.distributed.materialize import materialize
-from seqpipe.distributed.mesh import held_group, kept, kept_mesh, resolved, reverse_group
+from seqpipe.distributed.mesh import held_group, kept, kept_mesh, resolved
 from seqpipe.distributed.mesh_reduce import MeshReduce
 from seqpipe.distributed.plan import pipeline_channels
+from seqpipe.distributed.rebuild import failed, local_view, pipeline_transport
 from seqpipe.distributed.step import LossFn
 from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.tie_local import one_rank_ties
-from seqpipe.distributed.ties import Tie, TiedCopies, drop_layer, find_ties, ties_kept
-from seqpipe.distributed.transport import Transport
+from seqpipe.distributed.ties import Tie, TiedCopies, across_ranks, drop_layer, find_ties, ties_kept
 from seqpipe.graph.origin import Origin, model_output
 from seqpipe.schedule import (
     AnySchedule,
     Auto,
     AutoChoice,
-    Placement,
     get_schedule,
     placement_of,
     validate_schedule,
@@ -177,10 +174,10 @@ class DistributedPipe(FixedLayers):
         self.balance = self._resolve_balance(module, balance)
         validate_schedule(self.schedule, self.num_ranks, self.chunks)
         layout = inspect_skip_layout(module, self.balance)
-        self.ties: Tuple[Tie, ...] = tuple(_across_ranks(find_ties(module, self.balance),
+        self.ties: Tuple[Tie, ...] = tuple(across_ranks(find_ties(module, self.balance),
                                                          self.placement))
         on_one_rank = one_rank_ties(module, self.balance, self.placement)  # (wrapped apart)
-        fingerprint = self._check_same_everywhere(module)
+        fingerprint, views = self._check_same_everywhere(module)  # views: ``rebuild``
         named = list(module.named_children())
         bounds = [sum(self.balance[:s]) for s in range(self.num_stages + 1)]
         held = {n for s in self.stages for n in range(bounds[s], bounds[s + 1])}
@@ -206,17 +203,10 @@ class DistributedPipe(FixedLayers):
                                  checkpoint_every=self.checkpoint_every) for s in self.stages}
         self._stage = self._stages[self.stage_index]
         self._layout = layout
-        reverse = reverse_group(group)
-        if reverse is None and dist.get_backend(group) == "nccl":
-            warnings.warn("DistributedPipe on a process group made with dist.new_group: both "
-                          "directions share it, so on NCCL receives are posted only when "
-                          "needed, and 1F1B may deadlock once a message outgrows NCCL's "
-                          "buffers. Use group=None or seqpipe.distributed.mesh_groups, "
-                          "which give each direction its own group", stacklevel=2)
-        self._transport = Transport(group, self.device, reverse=reverse)
-        # NCCL makes a communicator per pair on first use: open them all now, in one order
-        self._transport.connect(pipeline_channels(self.schedule, self.num_ranks, self.chunks,
-                                                  layout))
+        # its own tag (on NCCL after a failed call, a fresh group); NCCL makes a communicator
+        # per pair on first use: open them all now, in one order (warns of a shared group)
+        self._transport = pipeline_transport(group, self.device, views, pipeline_channels(
+            self.schedule, self.num_ranks, self.chunks, layout))
         self._data_parallel = held_group(data_parallel_group)  # never the default group itself
         self._reducer: Optional[GradientReducer] = None
         if data_parallel_group is not None:
@@ -305,14 +295,15 @@ class DistributedPipe(FixedLayers):
                 f"{type(self.schedule).__name__}); give one entry per stage")
         return balance
 
-    def _check_same_everywhere(self, module: nn.Sequential) -> int:
+    def _check_same_everywhere(self, module: nn.Sequential) -> Tuple[int, List[List[int]]]:
         schedule = (repr(self.schedule) if isinstance(self.schedule, Auto)  # its options too
                     else type(self.schedule).__qualname__)
         config = (self.balance, self.chunks, self.checkpoint, schedule,
                   self.placement.ranks, self.broadcast_buffers, [tie.names for tie in self.ties],
                   self.base_seed, self._reducer_options)
         return check_same_model(module, config, self.group, self.device,
-                                "stages" if self.num_ranks == self.num_stages else "ranks")
+                                "stages" if self.num_ranks == self.num_stages else "ranks",
+                                extra=local_view(self.group))
 
     # -- running -----------------------------------------------------------------------
     @property
@@ -352,9 +343,13 @@ class DistributedPipe(FixedLayers):
         ``scaler.step(optimizer)`` and ``scaler.update()``. The returned loss is unscaled.
         """
         seed = backward_seed(scaler, self)  # a wrong scaler: raised here, the pipe unharmed
-        return self._calls.train_step(input, target, loss_fn, seed, chunks=self.chunks,
-                                      checkpoint=self.checkpoint if self.training else "never",
-                                      count_fn=count_fn)
+        try:
+            return self._calls.train_step(input, target, loss_fn, seed, chunks=self.chunks,
+                                          checkpoint=self.checkpoint if self.training
+                                          else "never", count_fn=count_fn)
+        except BaseException:
+            failed(self._transport, self.group)  # for a new pipe on the group (``rebuild``)
+            raise
 
     def mesh_reduce(self) -> MeshReduce:
         """All-reduces over this pipe's whole mesh: the pipeline group, then every group its
@@ -380,21 +375,14 @@ class DistributedPipe(FixedLayers):
         """Inference: the output on the rank of the last stage (``is_last``; in the model's
         own structure for a model converted by ``seqpipe.to_sequential``), ``None`` on the
         others."""
-        return model_output(self.origin, self._calls.forward(input, self.chunks))
+        try:
+            return model_output(self.origin, self._calls.forward(input, self.chunks))
+        except BaseException:
+            failed(self._transport, self.group)
+            raise
 
     def extra_repr(self) -> str:
         stages = ", ".join(map(str, self.stages))
         return (f"rank={self.rank}/{self.num_ranks}, stages=[{stages}] of {self.num_stages}, "
                 f"balance={self.balance}, chunks={self.chunks}, "
                 f"schedule={type(self.schedule).__name__}, checkpoint={self.checkpoint!r}")
-
-
-def _across_ranks(ties: Sequence[Tie], placement: Placement) -> List[Tie]:
-    """The ties whose stages lie on two or more ranks, each naming those ranks in
-    ``stages`` (the copies live per rank: stages on one rank share one tensor)."""
-    out = []
-    for tie in ties:
-        ranks = tuple(sorted({placement.rank_of(s) for s in tie.stages}))
-        if len(ranks) > 1:
-            out.append(replace(tie, stages=ranks))
-    return out

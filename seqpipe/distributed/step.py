@@ -86,7 +86,7 @@ class Call(Tasks):
     local: Dict[Tuple[Kind, int, int, int], Message] = field(default_factory=dict)
     states: Dict[Tuple[int, int], TaskState] = field(default_factory=dict)
     outputs: List[Batch] = field(default_factory=list)
-    losses: List[Tuple[Tensor, float]] = field(default_factory=list)  # (``Tasks``)
+    losses: Dict[int, Tuple[Tensor, float]] = field(default_factory=dict)  # (``Tasks``)
     starts: Dict[Tuple[Any, Any, float], Tensor] = field(default_factory=dict)
     input_grads: List[Tuple[Optional[Tensor], ...]] = field(default_factory=list)  # stage
     # 0's input, per micro-batch: for the caller's graph (``seqpipe.core.caller_grads``)

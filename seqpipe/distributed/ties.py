@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -51,9 +51,10 @@ from seqpipe.distributed.agreement import gather_ints
 from seqpipe.distributed.tensor_parallel import local
 from seqpipe.distributed.tie_groups import tie_groups
 from seqpipe.distributed.tie_layout import full, sum_dtype, write_full
+from seqpipe.schedule import Placement
 
-__all__ = ["Tie", "SharedBufferError", "find_ties", "shared_tensors", "drop_layer", "ties_kept",
-           "TiedCopies", "canonical_names"]
+__all__ = ["Tie", "SharedBufferError", "across_ranks", "find_ties", "shared_tensors",
+           "drop_layer", "ties_kept", "TiedCopies", "canonical_names"]
 
 
 class SharedBufferError(ValueError):
@@ -125,6 +126,17 @@ def find_ties(module: nn.Sequential, balance: Sequence[int]) -> List[Tie]:
                 f"across ranks. Give those layers one stage (balance=...), or give each "
                 f"layer its own buffer")
     return ties
+
+
+def across_ranks(ties: Sequence[Tie], placement: Placement) -> List[Tie]:
+    """The ties whose stages lie on two or more ranks of ``placement``, each naming those
+    ranks in ``stages`` (the copies live per rank: stages on one rank share one tensor)."""
+    out = []
+    for tie in ties:
+        ranks = tuple(sorted({placement.rank_of(s) for s in tie.stages}))
+        if len(ranks) > 1:
+            out.append(replace(tie, stages=ranks))
+    return out
 
 
 def drop_layer(layer: nn.Module, keep: nn.Module) -> None:

@@ -114,14 +114,14 @@ class Transport:
     ``reverse``: the group carrying messages to lower stages (default: ``group`` itself).
     ``ahead``: post each peer's next receive as soon as the previous message is taken,
     else when the message is needed (default: ahead unless NCCL must share one group
-    between both directions).
+    between both directions). ``tag``: every message's, the pipe's own (``rebuild``).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device,
                  timeout: Optional[timedelta] = None, *,
                  reverse: Optional[dist.ProcessGroup] = None,
-                 ahead: Optional[bool] = None) -> None:
-        self.group = group
+                 ahead: Optional[bool] = None, tag: int = 0) -> None:
+        self.group, self.tag = group, tag
         self.reverse = reverse if reverse is not None else group
         self.device = device
         self.timeout = timeout
@@ -158,8 +158,8 @@ class Transport:
             first = self.failure.splitlines()[0] if self.failure else "a stage failed"
             raise RuntimeError(
                 f"this pipeline failed in an earlier call ({first}); messages of that call "
-                f"may still be in flight, so it cannot run another. Create a new process "
-                f"group (torch.distributed.new_group) and a new DistributedPipe on it")
+                f"may still be in flight, so it cannot run another. Build a new DistributedPipe "
+                f"(on this group or a torch.distributed.new_group): they cannot reach it")
         self._groups = p2p.groups(self.group, self.reverse)
 
     def expect(self, src: int, planned: Iterable["Planned"]) -> None:
@@ -186,13 +186,13 @@ class Transport:
 
     def _isend(self, buffer: Tensor, stage: int, taken_at: int) -> None:
         work = p2p.isend(buffer, stage, self._groups.get(self.index < stage),  # (``p2p``)
-                         self.group_between(self.index, stage), self.global_rank)
+                         self.group_between(self.index, stage), self.global_rank, self.tag)
         self.sent_bytes += buffer.numel() * buffer.element_size()
         self._pending[stage].append((taken_at, work, buffer, self._spares.ours(buffer)))
 
     def _irecv(self, buffer: Tensor, stage: int) -> dist.Work:
         return p2p.irecv(buffer, stage, self._groups.get(stage < self.index),
-                         self.group_between(stage, self.index), self.global_rank)
+                         self.group_between(stage, self.index), self.global_rank, self.tag)
 
     def _wait(self, work: dist.Work) -> None:
         work.wait() if self.timeout is None else work.wait(self.timeout)

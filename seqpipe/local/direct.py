@@ -200,8 +200,9 @@ class DirectCall:
                 return None
         if hooks.enabled() or ddp_forward_running():
             return None
-        grad = torch.is_grad_enabled() and (trains or any_trainable(module))
-        if grad and module.training and checkpoint_stop(checkpoint, 1):
+        enabled = torch.is_grad_enabled()
+        grad = enabled and (trains or any_trainable(module))
+        if enabled and module.training and checkpoint_stop(checkpoint, 1):
             return None
         if trains and grad:
             for tensor in tensors:
@@ -212,7 +213,10 @@ class DirectCall:
         tracker = StageSkipTracker(stage.crossing, {}) if self.skips else None
         like = None if given is None else given.batch
         try:
-            if grad:  # grad mode is on already (asked above)
+            # Grad mode on, even with nothing of the pipe's or the input requiring grad: a
+            # tensor a layer holds may (an adapter beside a frozen base), and the plain
+            # model records a graph exactly then (autograd records nothing otherwise).
+            if enabled:
                 ran = stage.run_inline(tensors, like, tracker)
             else:
                 with torch.no_grad():
@@ -226,12 +230,14 @@ class DirectCall:
         stage.finish_forward()
         if not isinstance(ran, Sent):  # one tensor, no skips
             if ran.dim() and (ran.is_floating_point() or ran.is_complex()):  # as it is
-                # The output requires grad, as the engine's, even where the partition's does not.
-                return apply_function(_ExitOne, PHONY, ran) if grad else ran.detach()
+                # The output requires grad, as the engine's, even where the partition's does
+                # not; a frozen pipe's only where the layers recorded a graph.
+                return apply_function(_ExitOne, PHONY, ran) if grad or ran.requires_grad \
+                    else ran.detach()
             ran = Sent(Batch((ran,), True), {})
         gathered = ran.outputs
         if not gathered.atomic or not gathered.tensors[0].dim():
             gathered = Batch.of(gather([gathered]))  # the checks and their errors
-        if not grad:
+        if not grad and not any(t.requires_grad for t in gathered.tensors):
             return gathered.like([t.detach() for t in gathered.tensors]).value
         return gathered.like(apply_function(_Exit, PHONY, *gathered.tensors)).value

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from seqpipe.core.held import held_ties
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.rng import draw_seeds, needs_private_rng
 from seqpipe.core.sink import GradSink, open_sink
@@ -75,6 +76,13 @@ class LocalPipeline:
             hooks.end_step(run.trace_step)
         return run
 
+    def release(self, run: LocalRun) -> None:
+        """After a forward with grad whose outputs require none (``Pipe``: a frozen pipe
+        whose layers touched nothing that requires grad): nothing to backpropagate, so the
+        call's state goes now, as after a forward without grad."""
+        run.states.clear()
+        hooks.end_step(run.trace_step)
+
     def open_sink(self) -> GradSink:
         """Where one call's parameter gradients add up (``seqpipe.core.sink.open_sink``)."""
         return open_sink([stage.partition for stage in self.stages])
@@ -132,7 +140,7 @@ class LocalPipeline:
         sink = run.sink
         if sink is not None:
             sink.hold(whole)  # .grad put aside for the sums (or left to them: ``whole``)
-        ties = _tie_order(sink)
+        ties = _tie_order(sink, [stage.partition for stage in self.stages])
         try:
             run_groups([inline, *threaded] if inline else threaded, step.mailbox,
                        ThreadState(concurrent=len(threaded), devices=self.devices))
@@ -159,8 +167,8 @@ class LocalPipeline:
         Returns the call (its ``sink`` holds the parameters' gradients, summed over
         micro-batches, unless they went to ``.grad`` directly; ``input_grads`` the
         inputs') and the mini-batch loss: the sum of the micro-batch losses, each times its
-        ``weights`` entry. ``schedule``: what the actions came from, for a trace to name
-        and replay.
+        ``weights`` entry, in micro-batch order (``Tasks.loss_sum``). ``schedule``: what
+        the actions came from, for a trace to name and replay.
         """
         m = len(batches)
         run = self._open(m, True)
@@ -173,7 +181,7 @@ class LocalPipeline:
         step = LocalStep(self.stages, self.layout, run, checkpoint_stop=checkpoint_stop,
                          seeds=self._seeds(m), split=split, from_loss=True)
         self._put_inputs(step, batches)
-        ties = _tie_order(run.sink)
+        ties = _tie_order(run.sink, [stage.partition for stage in self.stages])
         try:
             self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
                                       for rank in actions],
@@ -188,8 +196,13 @@ class LocalPipeline:
         return run, step.loss_sum()
 
 
-def _tie_order(sink: Optional[GradSink]) -> Optional[TieOrder]:
-    """The fixed order for the gradients of the parameters several partitions use
-    (``seqpipe.local.tie_order``), if there are any."""
-    leaves = sink.shared_leaves() if sink is not None else []
+def _tie_order(sink: Optional[GradSink], partitions: Sequence[nn.Module]
+               ) -> Optional[TieOrder]:
+    """The fixed order for the gradients of the tensors several partitions use
+    (``seqpipe.local.tie_order``), if there are any: parameters registered in several, and
+    tensors held outside registration (``seqpipe.core.held``)."""
+    if sink is None:
+        return None
+    leaves = sink.shared_leaves(held_ties(sink.own, partitions) if len(partitions) > 1 else ())
+    leaves = list({id(leaf): leaf for leaf in leaves}.values())  # a tie held too: once
     return TieOrder(leaves) if leaves else None

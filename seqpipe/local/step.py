@@ -47,6 +47,7 @@ class LocalRun:
     outputs: List[Optional[Batch]] = field(default_factory=list)
     input_grads: List[Optionals] = field(default_factory=list)
     trace_step: Optional[int] = None  # its index in an open seqpipe.trace.record()
+    recorded: bool = False  # with grad: some output of the last stage requires grad
 
 
 class LocalStep(Tasks):
@@ -72,7 +73,7 @@ class LocalStep(Tasks):
         self.seed: Optional[Tensor] = None
         self.split = set(split)
         self.states = run.states
-        self.losses: List[Tuple[Tensor, float]] = []
+        self.losses: Dict[int, Tuple[Tensor, float]] = {}
         self.starts: Dict[Tuple[Any, Any, float], Tensor] = {}  # (``Tasks._start``)
         self.seeds = seeds
         self.from_loss = from_loss
@@ -98,7 +99,10 @@ class LocalStep(Tasks):
                 self.mailbox.put(("act", s + 1, i),
                                  (batch, tuple(wants(t) for t in outputs.tensors)))
         else:
-            self.record.outputs[i] = outputs.like([t.detach() for t in outputs.tensors])
+            record = self.record
+            if not record.recorded and record.grad:
+                record.recorded = any(t.requires_grad for t in outputs.tensors)
+            record.outputs[i] = outputs.like([t.detach() for t in outputs.tensors])
         for key, tensor in sent.skips.items():
             dest = self.layout.pop_partition(*key)
             with hooks.span(EventKind.SEND, s, i, peer=dest, what=What.SKIP):
