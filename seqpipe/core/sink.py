@@ -245,15 +245,15 @@ class AliasSink(GradSink):
         self.params = []
         self._aliases: Dict[int, Tensor] = {}  # id(parameter) -> its alias
         self._modes: List[_Substitute] = []
-        self.own = self._own = trainable(partitions) if own is None else own
+        self.own = trainable(partitions) if own is None else own
         self._leaves: List[List[Tensor]] = []
         by_alias: Dict[int, nn.Parameter] = {}  # id(alias) -> parameter
-        for mine in self._own:
+        for mine in self.own:
             leaves = [self._alias_of(p) for p in mine]
             by_alias.update((id(a), p) for p, a in zip(mine, leaves))
             self._modes.append(_Substitute(self._aliases, by_alias, mine, leaves))
             self._leaves.append(leaves)
-        self._shared = [self._aliases[id(p)] for p in shared(self._own)]
+        self._shared = [self._aliases[id(p)] for p in shared(self.own)]
 
     def _alias_of(self, param: nn.Parameter) -> Tensor:
         if id(param) not in self._aliases:
@@ -284,7 +284,7 @@ class AliasSink(GradSink):
         """``leaves``, and the real parameters too, since one may reach autograd without
         passing through a torch function (a custom ``autograd.Function.apply``), where no
         alias stands in for it."""
-        return [*self._leaves[stage], *self._own[stage]]
+        return [*self._leaves[stage], *self.own[stage]]
 
     def hold(self, whole: bool = False) -> None:
         """The sums never reach ``.grad``: nothing to put aside. With ``whole``, the
