@@ -12,7 +12,8 @@ gradient straight back.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -140,18 +141,14 @@ class LocalPipeline:
         sink = run.sink
         if sink is not None:
             sink.hold(whole)  # .grad put aside for the sums (or left to them: ``whole``)
-        ties = _tie_order(sink, [stage.partition for stage in self.stages])
         try:
-            run_groups([inline, *threaded] if inline else threaded, step.mailbox,
-                       ThreadState(concurrent=len(threaded), devices=self.devices))
+            with _in_tie_order(sink, [stage.partition for stage in self.stages]):
+                run_groups([inline, *threaded] if inline else threaded, step.mailbox,
+                           ThreadState(concurrent=len(threaded), devices=self.devices))
         except BaseException:  # .grad as it was before the call
-            if ties is not None:
-                ties.close()
             if sink is not None:
                 sink.drop()
             raise
-        if ties is not None:
-            ties.flush()
         sums = dict(sink.take()) if sink is not None else {}  # .grad as before the call
         hooks.end_step(run.trace_step)
         return sums
@@ -181,28 +178,34 @@ class LocalPipeline:
         step = LocalStep(self.stages, self.layout, run, checkpoint_stop=checkpoint_stop,
                          seeds=self._seeds(m), split=split, from_loss=True)
         self._put_inputs(step, batches)
-        ties = _tie_order(run.sink, [stage.partition for stage in self.stages])
-        try:
+        with _in_tie_order(run.sink, [stage.partition for stage in self.stages]):
             self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
                                       for rank in actions],
                                concurrent=sum(self.devices[rank[0].stage].type == "cpu"  # type: ignore[index]
                                               for rank in actions))
-        finally:
-            if ties is not None:
-                ties.close()
-        if ties is not None:
-            ties.flush()
         hooks.end_step(run.trace_step)
         return run, step.loss_sum()
 
 
-def _tie_order(sink: Optional[GradSink], partitions: Sequence[nn.Module]
-               ) -> Optional[TieOrder]:
-    """The fixed order for the gradients of the tensors several partitions use
-    (``seqpipe.local.tie_order``), if there are any: parameters registered in several, and
-    tensors held outside registration (``seqpipe.core.held``)."""
+@contextlib.contextmanager
+def _in_tie_order(sink: Optional[GradSink], partitions: Sequence[nn.Module]
+                  ) -> Iterator[None]:
+    """Run the call's backwards with a fixed order for the gradients of the tensors
+    several partitions use (``seqpipe.local.tie_order``), if there are any: parameters
+    registered in several, and tensors held outside registration (``seqpipe.core.held``).
+    Their sums are accumulated when the call ends; a failed call drops them."""
     if sink is None:
-        return None
+        yield
+        return
     leaves = sink.shared_leaves(held_ties(sink.own, partitions) if len(partitions) > 1 else ())
     leaves = list({id(leaf): leaf for leaf in leaves}.values())  # a tie held too: once
-    return TieOrder(leaves) if leaves else None
+    if not leaves:
+        yield
+        return
+    ties = TieOrder(leaves)
+    try:
+        yield
+    except BaseException:
+        ties.close()
+        raise
+    ties.flush()
