@@ -10,10 +10,10 @@ task then runs with the global generators untouched (``NO_DRAWS``: no mode, and 
 checkpoint saves or restores their state, which another thread may be drawing from).
 
 "Cannot draw" is decided per task, from what is there at that moment, and only where it
-is certain: every module is exactly one of the ``torch.nn`` classes below, or one of its
-BatchNorms made deferred (a subclass, a parametrized module or a user's own class may do
-anything), none has its own ``forward``
-attribute or a forward hook, no global forward hook is registered, and no
+is certain: every module is exactly one of the ``torch.nn`` classes below, a dropout or
+``RReLU`` in ``eval()`` mode (or a dropout of ``p=0``), or one of its BatchNorms made
+deferred (a subclass, a parametrized module or a user's own class may do anything), none
+has its own ``forward`` attribute or a forward hook, no global forward hook is registered, and no
 ``TorchFunctionMode`` or ``TorchDispatchMode`` is active (the caller's modes are carried to
 the workers, and one may draw). Anything else keeps the private stream.
 """
@@ -55,6 +55,13 @@ _QUIET: FrozenSet[Type[nn.Module]] = frozenset({
     nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle,
 })
 
+# Modules that draw only in training mode: in ``eval()`` their forward is the identity
+# (dropout) or a fixed slope (RReLU), with no random op; a dropout of ``p=0`` never draws.
+_QUIET_UNLESS_TRAINING: FrozenSet[Type[nn.Module]] = frozenset({
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.FeatureAlphaDropout, nn.RReLU,
+})
+
 
 def draws_nothing(module: nn.Module) -> bool:
     """Whether running ``module`` certainly calls no random op (see the module docstring).
@@ -78,7 +85,9 @@ def _quiet_class(cls: Type[nn.Module]) -> bool:
 
 def _quiet(module: nn.Module, seen: Set[int]) -> bool:
     seen.add(id(module))
-    if not _quiet_class(module.__class__) or module._forward_hooks or \
+    quiet = _quiet_class(module.__class__) or (module.__class__ in _QUIET_UNLESS_TRAINING and (
+        not module.training or getattr(module, "p", None) == 0))  # (a dropout of p=0 draws not)
+    if not quiet or module._forward_hooks or \
             module._forward_pre_hooks or "forward" in module.__dict__:
         return False
     for child in module._modules.values():

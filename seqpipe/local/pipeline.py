@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from seqpipe.core.draws import NO_DRAWS, draws_nothing
 from seqpipe.core.held import held_ties
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.rng import draw_seeds, needs_private_rng
@@ -95,7 +96,18 @@ class LocalPipeline:
         return run
 
     def _seeds(self, m: int) -> Optional[List[int]]:
-        return draw_seeds(m * len(self.stages)) if self.isolate_rng else None
+        """Every task's private random seed (``None``: the global generators). Drawn from
+        the global CPU generator, unless no partition can draw (``draws_nothing``; a model
+        without dropout, or with it in ``eval()``): then the call leaves that generator as
+        the plain model leaves it, so a validation pass between training steps, or a model
+        that draws nothing, does not move the masks and the data order the script draws
+        later."""
+        if not self.isolate_rng:
+            return None
+        count = m * len(self.stages)
+        if all(not s.segments and draws_nothing(s.partition) for s in self.stages):
+            return [NO_DRAWS] * count  # (checked again at every task, as for any seed)
+        return draw_seeds(count)
 
     def _put_inputs(self, step: LocalStep, batches: Sequence[Batch]) -> None:
         for i, batch in enumerate(batches):
