@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from seqpipe.distributed.wire import Message
 
@@ -34,10 +34,14 @@ def _fingerprint(module: nn.Sequential, config: Tuple[Any, ...]) -> int:
 
 
 def gather_ints(values: Sequence[int], group: Optional[dist.ProcessGroup],
-                device: torch.device) -> List[List[int]]:
+                device: torch.device, tail: Optional[Tensor] = None) -> List[List[int]]:
     """Every rank's ``values`` (as many on each rank), in the order of ``group``'s ranks:
-    one all-gather, which every rank of ``group`` calls together."""
+    one all-gather, which every rank of ``group`` calls together. ``tail``: int64 values
+    already on ``device`` (as many on each rank), gathered after ``values`` in the same
+    collective, without reading them on the host first."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    if tail is not None:
+        mine = torch.cat([mine, tail])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return [t.tolist() for t in everyone]

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpipe.core.lazy_classes import is_dtensor
 from seqpipe.distributed.agreement import gather_ints
 from seqpipe.distributed.fsdp import ShardedStep, unsharded_grad
 from seqpipe.distributed.tensor_parallel import local
@@ -73,6 +74,12 @@ _APART = 1 << 32
 # (it reduces the unsharded gradient the sum went into), and seqpipe's reducer, before it.
 _SHARDED, _REDUCED = 1, 2
 _BOTH = _SHARDED | _REDUCED
+# Elements of each tied copy compared over its holders at every step (their bits), and the
+# value of a probe a rank cannot give (no plain copy here: none, or a sharded or
+# tensor-parallel one, whose local values differ between holders by design).
+_PROBES = 4
+_UNPROBED = -(1 << 62)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class TieGrads:
@@ -189,13 +196,18 @@ class TieGrads:
         across = self.copies.across
         waits = []
         if across:
-            words, layouts, kinds = self._words()
+            words, layouts, kinds, probes = self._words()
             said = [[words[r][t] for r in tie.stages]
                     for t, tie in enumerate(self.copies.ties[:across])]
             for tie, theirs in zip(self.copies.ties, said):
                 if FROZEN in theirs and any(w >= TRAINED for w in theirs):
                     self.put_back()
                     raise RuntimeError(_mixed(tie.describe(), tie.stages, theirs))
+            for t, tie in enumerate(self.copies.ties[:across]):
+                seen = {tuple(probes[r][t]) for r in tie.stages} - {(_UNPROBED,) * _PROBES}
+                if len(seen) > 1:
+                    self.put_back()
+                    raise RuntimeError(drifted(tie.describe(), tie.name, tie.stages))
             for t in range(across):
                 if GIVEN not in said[t] or self.copies.sum_groups[t] is None:
                     continue  # frozen, or no gradient anywhere, or not this rank's sum
@@ -237,10 +249,27 @@ class TieGrads:
                 dist.all_reduce(mine, group=group)
                 mine.div_(dist.get_world_size(group))
 
-    def _words(self) -> Tuple[List[List[int]], List[List[int]], List[List[int]]]:
+    def _probe(self, t: int) -> Tensor:
+        """A few elements of this rank's copy of tie ``t``, as integers (their bits), on
+        the device, not read on the host: equal on every holder while the copies are
+        (``_UNPROBED`` where this rank has no plain copy)."""
+        unprobed = torch.full((_PROBES,), _UNPROBED, dtype=torch.int64, device=self.copies.device)
+        copies = self.now[t]
+        if not copies or self.fsdp[t][0] is not None or is_dtensor(copies[0]) or \
+                copies[0].element_size() not in _BITS or copies[0].numel() == 0:
+            return unprobed
+        flat = copies[0].detach().reshape(-1)
+        stride = max(1, (flat.numel() - 1) // (_PROBES - 1))
+        picked = flat[::stride][:_PROBES].view(_BITS[flat.element_size()]).to(
+            self.copies.device, torch.int64)
+        return torch.cat([picked, unprobed[picked.numel():]])
+
+    def _words(self) -> Tuple[List[List[int]], List[List[int]], List[List[int]],
+                              List[List[List[int]]]]:
         """Per rank of the pipeline, per tie across ranks: its word (``NO_COPY`` ...
-        ``GIVEN``), its copies' gradients' layout (``_layout``; -1 without a copy), and who
-        averages them (``_kind``)."""
+        ``GIVEN``), its copies' gradients' layout (``_layout``; -1 without a copy), who
+        averages them (``_kind``), and its copy's probe (``_probe``), from the last
+        optimizer step: copies that differ there drifted apart."""
         mine = []
         for t in range(self.copies.across):
             grads = self._grads(t) if self.trained[t] else [None] * len(self.now[t])
@@ -251,9 +280,14 @@ class TieGrads:
             else:
                 word = GIVEN if any(g is not None for g in grads) else TRAINED
             mine += [word, self._layout(t, grads), self._kind(t)]
-        everyone = gather_ints(mine, self.copies.group, self.copies.device)
-        return ([w[0::3] for w in everyone], [w[1::3] for w in everyone],
-                [w[2::3] for w in everyone])
+        across = self.copies.across
+        probes = torch.cat([self._probe(t) for t in range(across)])
+        everyone = gather_ints(mine, self.copies.group, self.copies.device, tail=probes)
+        words = [w[:3 * across] for w in everyone]
+        return ([w[0::3] for w in words], [w[1::3] for w in words],
+                [w[2::3] for w in words],
+                [[w[3 * across + _PROBES * t:3 * across + _PROBES * (t + 1)]
+                  for t in range(across)] for w in everyone])
 
 
 def _mixed(tie: str, stages: Sequence[int], said: List[int]) -> str:
@@ -265,3 +299,21 @@ def _mixed(tie: str, stages: Sequence[int], said: List[int]) -> str:
             f"of a tied parameter on every rank alike, between steps: through the model you "
             f"built the pipe from (e.g. model[0].weight.requires_grad_(False)), which "
             f"reaches each rank's copy")
+
+
+# How to choose parameter groups by name, as in the plain model (both errors about drifted
+# copies name it).
+FIRST_NAMES = ("map each name to its tie's first one, the name the plain model gives (first = "
+               "{n: tie.name for tie in pipe.ties for n in tie.names}; first.get(name, name))")
+
+
+def drifted(tie: str, first: str, stages: Sequence[int]) -> str:
+    """The error for a tie whose copies differ after an optimizer step: what makes the
+    copies' steps differ, and the mend."""
+    return (f"the tied parameter {tie} differs between its copies on ranks {list(stages)} "
+            f"after the last optimizer step: the copies drifted apart, so the model is no "
+            f"longer the tied one. Step every copy alike on every rank (the same learning "
+            f"rate, weight decay and clipping). Parameter groups chosen by name see a "
+            f"copy under its own layer's name on each rank, while the plain model's "
+            f"named_parameters() gives the tensor once, as {first!r}: {FIRST_NAMES}; clip "
+            f"with pipe.clip_grad_norm_, not per rank")

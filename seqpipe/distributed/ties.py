@@ -374,7 +374,9 @@ class TiedCopies:
         raise RuntimeError(
             f"the tied parameter {odd[0]}: its copies drifted apart{more}; step "
             f"the optimizer on every rank with the same settings, and change a tied "
-            f"parameter only through train_step and the optimizer (or on every copy alike)")
+            f"parameter only through train_step and the optimizer (or on every copy alike; "
+            f"parameter groups chosen by name: map each name to its tie's first one, "
+            f"first = {{n: tie.name for tie in pipe.ties for n in tie.names}})")
 
     @torch.no_grad()
     def _copy_from_first(self, t: int) -> None:
