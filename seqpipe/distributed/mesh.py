@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DEFAULT_GROUP", "Held", "held_group", "kept", "kept_mesh", "mesh_groups", "resolved",
-           "reverse_group"]
+__all__ = ["DEFAULT_GROUP", "Held", "NOT_COPIED", "held_group", "kept", "kept_mesh", "mesh_groups",
+           "resolved", "reverse_group"]
 
 # Weak keys: a group's second group lives as long as the group, not longer. A strong key
 # would keep the default group (and its gloo worker threads) alive past the user's
@@ -87,6 +87,16 @@ DEFAULT_GROUP = _DefaultGroup()
 group, where ``None`` already means "none": a stand-in that keeps nothing alive."""
 
 Held = Union[None, dist.ProcessGroup, _DefaultGroup]
+
+NOT_COPIED = (
+    "a DistributedPipe cannot be copied or pickled (copy.deepcopy, "
+    "torch.optim.swa_utils.AveragedModel, torch.save(pipe)): it is this rank's part of a "
+    "pipeline that runs on process groups. Save pipe.state_dict() (or "
+    "seqpipe.distributed.checkpoint.save) instead; for an EMA of the weights keep this rank's: "
+    "ema = {k: p.detach().clone() for k, p in pipe.named_parameters()}, after each optimizer "
+    "step ema[k].lerp_(p.detach(), 1 - decay) for k, p in pipe.named_parameters(), and load "
+    "it with pipe.load_state_dict(ema, strict=False) to evaluate it (docs/distributed.md, "
+    "Session 14: hunt4)")
 
 
 def held_group(group: Optional[dist.ProcessGroup]) -> Held:

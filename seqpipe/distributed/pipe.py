@@ -30,7 +30,7 @@ from seqpipe.distributed.dtensor_wire import check_mesh
 from seqpipe.distributed.grad_scaler import PipeGradScaler, backward_seed
 from seqpipe.distributed.lifecycle import CallLifecycle
 from seqpipe.distributed.materialize import materialize
-from seqpipe.distributed.mesh import held_group, kept, kept_mesh, resolved
+from seqpipe.distributed.mesh import NOT_COPIED, held_group, kept, kept_mesh, resolved
 from seqpipe.distributed.mesh_reduce import MeshReduce
 from seqpipe.distributed.plan import pipeline_channels
 from seqpipe.distributed.rebuild import failed, local_view, pipeline_transport
@@ -380,6 +380,10 @@ class DistributedPipe(FixedLayers):
         except BaseException:
             failed(self._transport, self.group)
             raise
+
+    def __getstate__(self) -> Any:
+        """Refused (``copy.deepcopy``, ``pickle``, ``AveragedModel``): see ``NOT_COPIED``."""
+        raise TypeError(NOT_COPIED)
 
     def extra_repr(self) -> str:
         stages = ", ".join(map(str, self.stages))
