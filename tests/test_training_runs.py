@@ -280,3 +280,33 @@ def test_dropout_draws_nothing_in_eval_or_at_p_zero() -> None:
     assert draws_nothing(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0), nn.Dropout2d(0.0)))
     assert not draws_nothing(nn.Sequential(nn.RReLU(), nn.Dropout(0.0)))
     assert not draws_nothing(nn.Sequential(MyDropout(0.5)).eval())
+
+
+def test_fp16_loss_scaling_inside_loss_fn_is_the_plain_grad_scaler() -> None:
+    """``Pipe.train_step`` takes no scaler: scaling the loss inside ``loss_fn`` with a
+    ``torch.amp.GradScaler`` (docs/pipe.md) gives the plain model's scaled run, the scale's
+    growth and an overflow's back-off included (fp16 autocast on the CPU)."""
+    def small() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                             nn.Linear(8, 6))
+    plain, pipe = small(), Pipe(small(), chunks=1, balance=[2, 3], devices=["cpu", "cpu"])
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (plain, pipe)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2)
+               for _ in range(2)]
+    for step in range(6):
+        x, y = (t.float() for t in batch(step))
+        with torch.autocast("cpu", dtype=torch.float16):
+            expected = F.mse_loss(plain(x), y)
+            loss = pipe.train_step(x, y, lambda out, target: scalers[1].scale(
+                F.mse_loss(out, target)))
+        scalers[0].scale(expected).backward()
+        torch.testing.assert_close(loss / scalers[1].get_scale(), expected.detach())
+        for scaler, opt, net in zip(scalers, opts, (plain, pipe)):
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert scalers[1].get_scale() == scalers[0].get_scale(), f"step {step}"
+        close_params(pipe, plain, f"fp16, step {step}")

@@ -95,8 +95,7 @@ NOT_COPIED = (
     "seqpipe.distributed.checkpoint.save) instead; for an EMA of the weights keep this rank's: "
     "ema = {k: p.detach().clone() for k, p in pipe.named_parameters()}, after each optimizer "
     "step ema[k].lerp_(p.detach(), 1 - decay) for k, p in pipe.named_parameters(), and load "
-    "it with pipe.load_state_dict(ema, strict=False) to evaluate it (docs/distributed.md, "
-    "Session 14: hunt4)")
+    "it with pipe.load_state_dict(ema, strict=False) to evaluate it")
 
 
 def held_group(group: Optional[dist.ProcessGroup]) -> Held:
