@@ -13,8 +13,8 @@ checkpoint saves or restores their state, which another thread may be drawing fr
 is certain: every module is exactly one of the ``torch.nn`` classes below, a dropout or
 ``RReLU`` in ``eval()`` mode (or a dropout of ``p=0``), or one of its BatchNorms made
 deferred (a subclass, a parametrized module or a user's own class may do anything), none
-has its own ``forward`` attribute or a forward hook, no global forward hook is registered, and no
-``TorchFunctionMode`` or ``TorchDispatchMode`` is active (the caller's modes are carried to
+has its own ``forward`` attribute or a forward hook, no global forward hook is registered,
+and no ``TorchFunctionMode`` or ``TorchDispatchMode`` is active (the caller's modes are carried to
 the workers, and one may draw). Anything else keeps the private stream.
 """
 from __future__ import annotations

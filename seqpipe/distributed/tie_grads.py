@@ -39,6 +39,12 @@ gradient, the sum over all uses. Two things make "each copy's gradient" more tha
   own when its copies are laid out differently, so that the tie goes whole. Its copies must
   all be trained or all frozen (``check``, at the start of the step: ``ValueError`` naming
   the names to set ``requires_grad`` on).
+* **Drift.** Copies stay equal only if every rank's optimizer steps its copy alike. The
+  all-gather also carries four elements of each rank's copy (their bits, read on the
+  device: no extra sync), so copies that an optimizer stepped differently (parameter groups
+  chosen by name, where a copy goes by its own layer's name on each rank; clipping per
+  rank) make every rank raise at the next step, naming the mend, instead of training
+  another model silently. A sharded or tensor-parallel copy is not compared.
 * **Two averages.** seqpipe's reducer averages its copies over the replicas before the sum,
   FSDP2 its copies after it (in the reduce-scatter of the unsharded gradient the sum went
   into). Where one tie has copies of both kinds (on one rank, or on different ranks: the

@@ -106,7 +106,7 @@ class LocalPipeline:
             return None
         count = m * len(self.stages)
         if all(not s.segments and draws_nothing(s.partition) for s in self.stages):
-            return [NO_DRAWS] * count  # (checked again at every task, as for any seed)
+            return [NO_DRAWS] * count  # (the partitions as they are when the call starts)
         return draw_seeds(count)
 
     def _put_inputs(self, step: LocalStep, batches: Sequence[Batch]) -> None:
