@@ -70,7 +70,7 @@ class LocalPipeline:
         run = self._open(m, grad, sink)
         run.trace_step = hooks.begin_step(self.schedule, k, k, m, backward=grad)
         step = LocalStep(self.stages, self.layout, run, checkpoint_stop=checkpoint_stop,
-                         seeds=self._seeds(m))
+                         seeds=self._seeds(m, grad and checkpoint_stop > 0))
         self._put_inputs(step, batches)
         self._run_forwards(step, [[step.program(forward_phase(self._actions(s, m)))]
                                   for s in range(k)], concurrent=self._cpu_stages())
@@ -95,17 +95,19 @@ class LocalPipeline:
             run.sink = sink if sink is not None else self.open_sink()
         return run
 
-    def _seeds(self, m: int) -> Optional[List[int]]:
+    def _seeds(self, m: int, checkpoint: bool) -> Optional[List[int]]:
         """Every task's private random seed (``None``: the global generators). Drawn from
         the global CPU generator, unless no partition can draw (``draws_nothing``; a model
         without dropout, or with it in ``eval()``): then the call leaves that generator as
         the plain model leaves it, so a validation pass between training steps, or a model
         that draws nothing, does not move the masks and the data order the script draws
-        later."""
+        later. ``checkpoint``: whether some task of the call is checkpointed (a partition
+        checkpointed in segments, ``checkpoint_every``, then keeps its stream)."""
         if not self.isolate_rng:
             return None
         count = m * len(self.stages)
-        if all(not s.segments and draws_nothing(s.partition) for s in self.stages):
+        if all(not (checkpoint and s.segments) and draws_nothing(s.partition)
+               for s in self.stages):
             return [NO_DRAWS] * count  # (the partitions as they are when the call starts)
         return draw_seeds(count)
 
@@ -188,7 +190,8 @@ class LocalPipeline:
         split = {(a.stage, a.microbatch) for stage in actions for a in stage
                  if a.phase is Phase.BACKWARD_INPUT}
         step = LocalStep(self.stages, self.layout, run, checkpoint_stop=checkpoint_stop,
-                         seeds=self._seeds(m), split=split, from_loss=True)
+                         seeds=self._seeds(m, checkpoint_stop > 0), split=split,
+                         from_loss=True)
         self._put_inputs(step, batches)
         with _in_tie_order(run.sink, [stage.partition for stage in self.stages]):
             self._run_forwards(step, [[step.program(rank, targets, loss_fn, weights)]
