@@ -92,10 +92,10 @@ NOT_COPIED = (
     "a DistributedPipe cannot be copied or pickled (copy.deepcopy, "
     "torch.optim.swa_utils.AveragedModel, torch.save(pipe)): it is this rank's part of a "
     "pipeline that runs on process groups. Save pipe.state_dict() (or "
-    "seqpipe.distributed.checkpoint.save) instead; for an EMA of the weights keep this rank's: "
-    "ema = {k: p.detach().clone() for k, p in pipe.named_parameters()}, after each optimizer "
-    "step ema[k].lerp_(p.detach(), 1 - decay) for k, p in pipe.named_parameters(), and load "
-    "it with pipe.load_state_dict(ema, strict=False) to evaluate it")
+    "seqpipe.distributed.checkpoint.save) instead. For an EMA of the weights keep this "
+    "rank's parameters: after each optimizer step, under torch.no_grad(), for name, param in "
+    "pipe.named_parameters(): ema[name] = ema[name].lerp_(param, 1 - decay) (param.clone() "
+    "the first time); to evaluate it, pipe.load_state_dict(ema, strict=False)")
 
 
 def held_group(group: Optional[dist.ProcessGroup]) -> Held:
