@@ -316,3 +316,30 @@ def test_fp16_loss_scaling_inside_loss_fn_is_the_plain_grad_scaler() -> None:
             opt.zero_grad()
         assert scalers[1].get_scale() == scalers[0].get_scale(), f"step {step}"
         close_params(pipe, plain, f"fp16, step {step}")
+
+
+def test_a_run_saved_with_the_checkpoint_helpers_resumes_in_another_layout(
+        tmp_path: Any) -> None:
+    """``seqpipe.distributed.checkpoint.save``/``load`` in one process (no process group,
+    as a ``Pipe`` user runs them), mid-run, into another balance and ``chunks`` with a
+    fresh optimizer: the run goes on as the plain model's, tied weight included."""
+    from seqpipe.distributed.checkpoint import load, save
+    plain, pipe = tied(), piped(tied())
+    opts = [torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)
+            for net in (plain, pipe)]
+    for step in range(6):
+        if step == 3:
+            with pytest.warns(UserWarning, match="single process"):  # DCP's, without a group
+                save(pipe, opts[1], tmp_path / "ck")
+            pipe = Pipe(tied(), chunks=2, balance=[2, 4], devices=["cpu", "cpu"])
+            opts[1] = torch.optim.AdamW(pipe.parameters(), lr=0.5)
+            with pytest.warns(UserWarning, match="single process"):
+                load(pipe, opts[1], tmp_path / "ck")
+        x, y = batch(step)
+        for opt in opts:
+            opt.zero_grad()
+        F.mse_loss(plain(x), y).backward()
+        pipe.train_step(x, y, F.mse_loss)
+        for opt in opts:
+            opt.step()
+        close_params(pipe, plain, f"after step {step}")
