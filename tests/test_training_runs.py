@@ -1,6 +1,6 @@
 """Training runs of many steps on the local ``Pipe``, as a user's script runs them.
 
-Session 14's hunt (docs/pipe.md, "Session 14: hunt4"): what a script does between and
+Session 14's hunt (docs/pipe.md, "Your objects and settings"): what a script does between and
 around ``train_step``s over 5-10 steps, each compared, after every step, with the plain
 model trained the same way (float64, two ``cpu`` partitions, 4 micro-batches):
 

@@ -1,6 +1,6 @@
 """Training runs of many steps on ``DistributedPipe``, 2 stages x 2 replicas, as a user runs them.
 
-Session 14's hunt (docs/distributed.md, "Session 14: hunt4"), each case compared after
+Session 14's hunt (docs/distributed.md, "A training loop"), each case compared after
 every step with the plain model trained the same way on the global batch (float64, gloo,
 one launch of 4 processes):
 
