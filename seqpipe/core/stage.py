@@ -215,8 +215,8 @@ class Stage:
                            split: bool = False) -> Tuple[Sent, TaskState]:
         keys = tuple(received.skips)
         incoming = [*received.inputs.tensors, *(received.skips[k] for k in keys)]
-        state = TaskState(len(received.inputs), keys)
-        state.entry = enter(incoming, received.grad_flags, self.device)
+        state = TaskState(len(received.inputs), keys,
+                          enter(incoming, received.grad_flags, self.device))
         inputs = tuple(incoming[:state.num_inputs])
         tracker = StageSkipTracker(self.crossing, dict(zip(keys, incoming[state.num_inputs:])))
         tracker.replaying = replaying

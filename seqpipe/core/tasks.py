@@ -174,6 +174,11 @@ class Tasks:
     def _handing_over(self, s: int, i: int) -> ContextManager[None]:
         return nullcontext()
 
+    def watch(self) -> None:
+        """Decide ``watched`` for the call from now on: whether a recording or a profiler
+        wants spans (``seqpipe.trace``) or ``_timed`` times the computations."""
+        self.watched = hooks.enabled() or self.timing
+
     @property
     def timing(self) -> bool:
         """Whether ``_timed`` times the computations (``schedule="auto"``'s first step)."""
@@ -215,7 +220,7 @@ class Tasks:
         ``rng_seed``, timer) before it asks for the steps; what a step still reads when it
         runs is what its action's neighbours change (``states``, messages, the sink's
         aliases)."""
-        self.watched = hooks.enabled() or self.timing
+        self.watch()
         return [self.step(action, inputs, targets, loss_fn, weights) for action in actions]
 
     def step(self, action: Action, inputs: Optional[Sequence[Batch]],

@@ -52,6 +52,7 @@ from seqpipe.distributed.values import Values, check_values
 from seqpipe.schedule import Action, Phase, Placement
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
+from seqpipe.trace.hooks import OFF
 
 if TYPE_CHECKING:
     from seqpipe.distributed.data_parallel import GradientReducer
@@ -103,6 +104,7 @@ class Call(Tasks):
 
     def __post_init__(self) -> None:
         self.dtensors = Crossing(self.stages, self.mesh)
+        self.watch()  # (its messages' spans, from the opening on)
         if not self.routes:
             self.routes = routes(self.layout, self.placement)
 
@@ -158,7 +160,7 @@ class Call(Tasks):
         else:
             message = self.inbox.pop(wanted, None) if self.inbox else None
             if message is None:
-                with traced.receiving(self, src, wanted):
+                with traced.receiving(self, src, wanted) if self.watched else OFF:
                     message = self._take(src, kind)
                     while (message.kind, message.microbatch, message.key,
                            message.origin) != wanted:  # (the plan's order: rarely)
@@ -201,7 +203,8 @@ class Call(Tasks):
                         atomic=atomic, origin=origin, values=values)
             return
         try:
-            with traced.sending(self, dst, kind, microbatch, key, origin):
+            with traced.sending(self, dst, kind, microbatch, key, origin) if self.watched \
+                    else OFF:
                 self.transport.send(dst, kind, microbatch, tensors, flags, key=key,
                                     count=count, atomic=atomic, origin=origin, values=values)
         except (TypeError, ValueError):  # what cannot be sent at all: this stage's error
