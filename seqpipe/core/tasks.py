@@ -7,7 +7,9 @@ split backward (``seqpipe.core.split_backward``). The engines differ only in how
 arrive and where its results go: the local engine hands them between threads through a
 mailbox, the distributed one sends them between ranks. ``Tasks`` runs the tasks and asks the
 engine for those through four methods (``receive_forward``, ``send_forward``,
-``receive_backward``, ``send_backward``).
+``receive_backward``, ``send_backward``). A call's actions are compiled before the first
+runs (``Tasks.steps``): what the call fixes for all of them is decided once, so that each
+action between layers runs only its own work.
 
 The mini-batch loss is the sum of the micro-batch losses, each times a weight fixed before
 the step (``seqpipe.core.loss_weights``: its share of the samples, or one over the mini-batch's

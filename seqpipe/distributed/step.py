@@ -1,19 +1,20 @@
 """One call of a distributed pipeline on one rank: its stages' actions, in schedule order.
 
-A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.run``
-(``seqpipe.core.tasks.Tasks``, shared with the local engine) dispatches each action by its phase
-(``F``, ``B``, ``I``, ``W``) to the stage it names, so no schedule has code of its own here;
-``Call`` supplies the transport side. Data comes in through ``Transport`` messages
-(between two stages of one rank, in memory); whatever arrives before it is needed waits
-in an inbox. The rank of stage 0 opens every call by telling the others how many
-micro-batches it has cut (those its first action sends to before it, the others right after
-it: ``run_actions``); the rank of the last stage closes it by sending the loss, and the
-rank that finishes last sends "done" to every other rank, so a failure anywhere reaches
-every rank: a failing rank sends an ABORT to the ranks that still expect a message from it,
-and a rank waiting on a peer that reports a failure, or dies, raises and passes it on the
-same way (``Transport.abort``). A rank whose last actions send nothing (weight gradients at
-the end of a zero-bubble schedule) reports "done" to the finishing rank, so that a failure
-there is still heard.
+A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.steps``
+(``seqpipe.core.tasks.Tasks``, shared with the local engine) compiles the call's actions,
+before the first runs, into one step each, of its phase (``F``, ``B``, ``I``, ``W``) on the
+stage it names, so no schedule has code of its own here; ``Call`` supplies the transport
+side, each stage's peers looked up once per pipeline (``plan.routes``). Data comes in
+through ``Transport`` messages (between two stages of one rank, in memory); whatever
+arrives before it is needed waits in an inbox. The rank of stage 0 opens every call by
+telling the others how many micro-batches it has cut (those its first action sends to
+before it, the others right after it: ``run_actions``); the rank of the last stage closes
+it by sending the loss, and the rank that finishes last sends "done" to every other rank,
+so a failure anywhere reaches every rank: a failing rank sends an ABORT to the ranks that
+still expect a message from it, and a rank waiting on a peer that reports a failure, or
+dies, raises and passes it on the same way (``Transport.abort``). A rank whose last actions
+send nothing (weight gradients at the end of a zero-bubble schedule) reports "done" to the
+finishing rank, so that a failure there is still heard.
 
 The order in which a call sends its messages is the one ``seqpipe.distributed.plan``
 lists (every rank derives it to receive ahead); the transport checks each send against it.
