@@ -15,13 +15,14 @@ from typing import Any, Iterator, List
 import pytest
 import torch
 import torch.nn.functional as F
+from test_pipe_train_step import W, plain_model
 from torch import nn
 
 import seqpipe.trace
 from seqpipe import Pipe
 from seqpipe.core.stage import Stage
 from seqpipe.core.tasks import Tasks
-from seqpipe.skip import SkipTracker, pop, skippable, stash, use_skip_tracker
+from seqpipe.skip import SkipTracker, use_skip_tracker
 
 
 @pytest.fixture(autouse=True)
@@ -30,28 +31,9 @@ def fresh_tracker() -> Iterator[None]:
         yield
 
 
-@skippable(stash=["far"])
-class StashFar(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 6)
-
-    def forward(self, x: torch.Tensor) -> Any:
-        yield stash("far", x)
-        return self.lin(x)
-
-
-@skippable(pop=["far"])
-class PopFar(nn.Module):
-    def forward(self, x: torch.Tensor) -> Any:
-        far = yield pop("far")
-        return x + far
-
-
 def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(StashFar(), nn.Tanh(), nn.Linear(6, 6), PopFar(),
-                         nn.Linear(6, 3)).double()
+    """A skip from the first partition's first layer to the last one's last."""
+    return plain_model(skips=True, layers=5)
 
 
 def _events(monkeypatch: pytest.MonkeyPatch) -> List[str]:
@@ -84,7 +66,7 @@ def test_a_train_steps_decisions_are_made_before_its_first_computation(
     model = _model()
     plain = copy.deepcopy(model)
     pipe = Pipe(model, chunks=4, balance=[2, 3], devices=["cpu"] * 2, checkpoint="always")
-    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    x, y = torch.randn(8, W, dtype=torch.float64), torch.randn(8, W, dtype=torch.float64)
     events = _events(monkeypatch)
     loss = pipe.train_step(x, y, F.mse_loss, schedule=schedule)
     computing = [n for n, e in enumerate(events) if e not in ("_sink", "rng_seed")]
@@ -102,7 +84,7 @@ def test_a_traced_step_still_records_every_computation(monkeypatch: pytest.Monke
     """Under ``seqpipe.trace.record()`` (decided for the call when it is compiled) every
     stage computation is a span, as before."""
     pipe = Pipe(_model(), chunks=2, balance=[2, 3], devices=["cpu"] * 2, checkpoint="never")
-    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    x, y = torch.randn(4, W, dtype=torch.float64), torch.randn(4, W, dtype=torch.float64)
     with seqpipe.trace.record() as rec:
         pipe.train_step(x, y, F.mse_loss, schedule="1f1b")
     spans = sorted((e.kind.value, e.stage, e.microbatch) for e in rec.recording.events
