@@ -87,13 +87,12 @@ class Route:
     """Where one stage's messages come from and go to, made once per pipeline (every
     action asks): the ranks of the stages before and after it (-1: none), the skips it
     pops (each from its stashing stage) and those it stashes (each to its popping stage),
-    in layout order, and each skip's index by key."""
+    in layout order."""
 
     before: int
     after: int
     popped: Tuple[SkipRoute, ...]
     stashed: Tuple[SkipRoute, ...]
-    index: Dict[SkipKey, int]
 
 
 def routes(layout: SkipLayout, placement: Placement) -> Dict[int, Route]:
@@ -104,8 +103,7 @@ def routes(layout: SkipLayout, placement: Placement) -> Dict[int, Route]:
                      tuple((k.key, rank(k.stash_partition), index[k.key], k.stash_partition)
                            for k in layout.skips_popped_by(s)),
                      tuple((k.key, rank(k.pop_partition), index[k.key], k.pop_partition)
-                           for k in layout.skips_stashed_by(s)),
-                     index)
+                           for k in layout.skips_stashed_by(s)))
             for s in range(placement.num_stages)}
 
 
