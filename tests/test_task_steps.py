@@ -3,7 +3,8 @@
 What a call fixes for all its actions (the gradients' destination, the random seed, the
 checkpoint mode, whether anything traces or times them) is decided in one pass before the
 first stage computation, not again at each action between layers, where the same
-bookkeeping costs several times as much (cold code: docs/benchmarks.md). The steps run the
+bookkeeping costs several times as much (cold code: docs/benchmark-history.md, "Session 14:
+plan4"). The steps run the
 same work: loss and gradients equal the plain model's. The distributed engine's side is
 checked in ``tests/test_transport.py``'s launch (``_fast_path``: a profiled step).
 """

@@ -214,7 +214,7 @@ class Tasks:
 
         What a call fixes for all its actions is decided here, once, in one pass, not at
         each action between layers (where the same bookkeeping costs several times as much:
-        cold code, docs/benchmarks.md "Session 14: plan4"): the phase's method, the
+        cold code, docs/benchmark-history.md "Session 14: plan4"): the phase's method, the
         stage, the checkpoint mode, the random seed, where the parameters' gradients go,
         whether the backward is split, the micro-batch's target and weight on the last
         stage, and whether anything traces or times the computations (``watched``). So the
