@@ -141,7 +141,9 @@ def instrument(timers: Timers) -> None:
         (Stage, "backward", "seqpipe: stage backward, around the engine"),
         (Stage, "backward_input", "seqpipe: stage backward, around the engine"),
         (Stage, "backward_weight", "seqpipe: stage backward, around the engine"),
-        (Tasks, "run", "seqpipe: Tasks/Call dispatch per action"),
+        *[(Tasks, name, "seqpipe: Tasks/Call dispatch per action")  # (before plan4: run)
+          for name in ("run", "_forward", "_backward", "_backward_input", "_backward_weight")
+          if name in Tasks.__dict__],
         (CallLifecycle, "open", "seqpipe: opening the call (STEP)"),
         (CallLifecycle, "close", "seqpipe: closing the call (LOSS, DONE, flush)"),
         (_PipelineStageBase, "forward_one_chunk", "torch: forward_one_chunk, around the layers"),

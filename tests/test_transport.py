@@ -218,6 +218,21 @@ def _fast_path(rank: int, world: int) -> None:
                  if path == "~" and name.endswith(("c10d.send>", "c10d.recv>")))
     failures.expect(wrapped == 0 and direct >= 10,
                     f"a step called dist.isend/irecv {wrapped} times, the group {direct}")
+    # A call's actions are compiled once, before the first runs (``Tasks.steps``): one
+    # step per action (1F1B, M=4: rank 0 F and B four times each; rank 1 the same with its
+    # last B split into I and W), no span asked for per action while nothing traces, and
+    # no stage's peers looked up per action (``plan.routes``: only the opening's and the
+    # close's three).
+    profile = cProfile.Profile()
+    profile.enable()
+    matched_step(pipe, ref, rank, world, *ragged, failures, "step 7 (profiled, untraced)")
+    profile.disable()
+    calls = {(path.rsplit("/", 1)[-1], name): row[1]
+             for (path, _, name), row in pstats.Stats(profile).stats.items()}  # type: ignore
+    counted = {what: calls.get(what, 0) for what in (
+        ("tasks.py", "step"), ("tasks.py", "_computing"), ("placement.py", "rank_of"))}
+    failures.expect(counted == {("tasks.py", "step"): 8 + rank, ("tasks.py", "_computing"): 0,
+                                ("placement.py", "rank_of"): 3}, f"untraced step: {counted}")
     failures.finish()
 
 

@@ -96,8 +96,11 @@ def _recompute(label: Optional[hooks.Label]) -> ContextManager[Any]:
     return hooks.OFF if label is None else hooks.span(EventKind.RECOMPUTE, *label)
 
 
+_NOTHING: ContextManager[None] = nullcontext()  # reentrant and reusable: one for every task
+
+
 def _rng(seed: Optional[int]) -> ContextManager[None]:
-    return nullcontext() if seed is None or seed == NO_DRAWS else isolated_rng(seed)
+    return _NOTHING if seed is None or seed == NO_DRAWS else isolated_rng(seed)
 
 
 @contextmanager

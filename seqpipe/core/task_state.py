@@ -25,6 +25,8 @@ from seqpipe.skip.tracker import SkipKey
 
 __all__ = ["Pending", "Sent", "TaskState", "edge_of", "gradient_edge"]
 
+_NOTHING: ContextManager[None] = nullcontext()  # reentrant and reusable: one for every task
+
 
 @dataclass
 class Sent:
@@ -65,7 +67,7 @@ class TaskState:
     def recording(self) -> ContextManager[None]:
         """Around more of this micro-batch's forward (the loss on the last stage): what it
         saves is held with the rest, so that a split backward frees it after ``I``."""
-        return self.saved.recording() if self.saved is not None else nullcontext()
+        return self.saved.recording() if self.saved is not None else _NOTHING
 
 
 @dataclass

@@ -7,7 +7,9 @@ split backward (``seqpipe.core.split_backward``). The engines differ only in how
 arrive and where its results go: the local engine hands them between threads through a
 mailbox, the distributed one sends them between ranks. ``Tasks`` runs the tasks and asks the
 engine for those through four methods (``receive_forward``, ``send_forward``,
-``receive_backward``, ``send_backward``).
+``receive_backward``, ``send_backward``). A call's actions are compiled before the first
+runs (``Tasks.steps``): what the call fixes for all of them is decided once, so that each
+action between layers runs only its own work.
 
 The mini-batch loss is the sum of the micro-batch losses, each times a weight fixed before
 the step (``seqpipe.core.loss_weights``: its share of the samples, or one over the mini-batch's
@@ -17,6 +19,7 @@ not in the order the schedule computed them.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager, nullcontext
 from typing import (
     Any,
@@ -24,6 +27,7 @@ from typing import (
     ContextManager,
     Dict,
     Iterator,
+    List,
     Mapping,
     Optional,
     Sequence,
@@ -43,9 +47,10 @@ from seqpipe.skip.tracker import SkipKey
 from seqpipe.trace import hooks
 from seqpipe.trace.events import KIND_OF_PHASE, EventKind
 
-__all__ = ["LossFn", "Tasks", "microbatch_loss"]
+__all__ = ["LossFn", "Step", "Tasks", "microbatch_loss"]
 
 LossFn = Callable[[Any, Any], Tensor]
+Step = Callable[[], None]  # one action of a call, compiled (``Tasks.steps``)
 Optionals = Tuple[Optional[Tensor], ...]
 
 
@@ -116,6 +121,7 @@ class Tasks:
     states: Dict[Tuple[int, int], TaskState]
     losses: Dict[int, Tuple[Tensor, float]]  # by micro-batch: its loss (detached), its weight
     starts: Dict[Tuple[torch.dtype, torch.device, float], Tensor]  # ``_start``'s, per call
+    watched = False  # traced or timed: the computations' spans are entered (``steps``)
 
     @property
     def num_stages(self) -> int:
@@ -170,6 +176,16 @@ class Tasks:
     def _handing_over(self, s: int, i: int) -> ContextManager[None]:
         return nullcontext()
 
+    def watch(self) -> None:
+        """Decide ``watched`` for the call from now on: whether a recording or a profiler
+        wants spans (``seqpipe.trace``) or ``_timed`` times the computations."""
+        self.watched = hooks.enabled() or self.timing
+
+    @property
+    def timing(self) -> bool:
+        """Whether ``_timed`` times the computations (``schedule="auto"``'s first step)."""
+        return False
+
     def _timed(self, phase: Phase, s: int, i: int) -> ContextManager[None]:
         """Around each stage computation (``schedule="auto"`` measures them)."""
         return nullcontext()
@@ -190,64 +206,93 @@ class Tasks:
         return None
 
     # -- actions -----------------------------------------------------------------------
-    def run(self, action: Action, inputs: Optional[Sequence[Batch]],
-            targets: Optional[Sequence[Any]], loss_fn: Optional[LossFn],
-            weights: Sequence[float]) -> None:
-        """Run one action of the schedule, whatever its phase."""
+    def steps(self, actions: Sequence[Action], inputs: Optional[Sequence[Batch]],
+              targets: Optional[Sequence[Any]], loss_fn: Optional[LossFn],
+              weights: Sequence[float]) -> List[Step]:
+        """The call's ``actions`` compiled into steps, in order: each a call without
+        arguments that does its action's work and nothing else.
+
+        What a call fixes for all its actions is decided here, once, in one pass, not at
+        each action between layers (where the same bookkeeping costs several times as much:
+        cold code, docs/benchmark-history.md "Session 14: plan4"): the phase's method, the
+        stage, the checkpoint mode, the random seed, where the parameters' gradients go,
+        whether the backward is split, the micro-batch's target and weight on the last
+        stage, and whether anything traces or times the computations (``watched``). So the
+        engine must have set up all of these (its ``_sink``, ``split``, ``checkpoint_stop``,
+        ``rng_seed``, timer) before it asks for the steps; what a step still reads when it
+        runs is what its action's neighbours change (``states``, messages, the sink's
+        aliases)."""
+        self.watch()
+        return [self.step(action, inputs, targets, loss_fn, weights) for action in actions]
+
+    def step(self, action: Action, inputs: Optional[Sequence[Batch]],
+             targets: Optional[Sequence[Any]], loss_fn: Optional[LossFn],
+             weights: Sequence[float]) -> Step:
+        """One action compiled (see ``steps``, which sets ``watched`` first)."""
         s, i = action.stage, action.microbatch
         assert s is not None
+        stage = self.stages[s]
         if action.phase is Phase.FORWARD:
-            self.forward(s, i, inputs, targets, loss_fn, weights)
-        elif action.phase is Phase.BACKWARD_WEIGHT:
-            self.backward_weight(s, i)
-        else:
-            self.backward(s, i, split=action.phase is Phase.BACKWARD_INPUT)
+            scored = None
+            if s == self.num_stages - 1 and loss_fn is not None and targets is not None:
+                scored = (targets[i], weights[i], loss_fn)
+            return functools.partial(
+                self._forward, s, i, stage, inputs, self.grad and i < self.checkpoint_stop,
+                self.rng_seed(s, i), self._sink(s, i), (s, i) in self.split, scored)
+        if action.phase is Phase.BACKWARD_INPUT:
+            return functools.partial(self._backward_input, s, i, stage)
+        if action.phase is Phase.BACKWARD_WEIGHT:
+            return functools.partial(self._backward_weight, s, i, stage, self._sink(s, i))
+        return functools.partial(self._backward, s, i, stage, self._sink(s, i))
 
-    def forward(self, s: int, i: int, inputs: Optional[Sequence[Batch]],
-                targets: Optional[Sequence[Any]], loss_fn: Optional[LossFn],
-                weights: Sequence[float]) -> None:
-        """Run ``F(s, i)``: receive, compute, send on (or take the loss on the last stage)."""
+    def _forward(self, s: int, i: int, stage: Stage, inputs: Optional[Sequence[Batch]],
+                 checkpoint: bool, seed: Optional[int], sink: Optional[GradSink], split: bool,
+                 scored: Optional[Tuple[Any, float, LossFn]]) -> None:
+        """``F(s, i)``: receive, compute, send on (``scored``: the last stage of a training
+        step, with the micro-batch's target, weight and ``loss_fn``: take its loss)."""
         received = self.receive_forward(s, i, inputs)
-        with self._computing(Phase.FORWARD, s, i):
-            sent, state = self.stages[s].forward(
-                received, grad=self.grad, checkpoint=self.grad and i < self.checkpoint_stop,
-                seed=self.rng_seed(s, i), sink=self._sink(s, i), split=(s, i) in self.split)
-        if s == self.num_stages - 1 and loss_fn is not None and targets is not None:
+        with self._computing(Phase.FORWARD, s, i) if self.watched else hooks.OFF:
+            sent, state = stage.forward(received, grad=self.grad, checkpoint=checkpoint,
+                                        seed=seed, sink=sink, split=split)
+        if scored is None:
+            self.send_forward(s, i, sent)
+        else:
             assert state is not None
-            target, weight = targets[i], weights[i]
-            with self._computing(Phase.FORWARD, s, i, EventKind.LOSS):  # loss_fn: once
-                loss = self.stages[s].loss(
-                    state, sent, lambda out: microbatch_loss(i, out, target, loss_fn))
+            target, weight, loss_fn = scored
+            with self._computing(Phase.FORWARD, s, i, EventKind.LOSS) if self.watched \
+                    else hooks.OFF:  # loss_fn: once
+                loss = stage.loss(state, sent,
+                                  lambda out: microbatch_loss(i, out, target, loss_fn))
             # The weight is not recorded by autograd: the loss's value is reported times it
             # (``loss_sum``), and its backward starts from it (times the loss scale), as the
             # gradient of ``loss * weight`` would reach the loss: the same numbers, one node
             # and two small operations (cold, after a layer) fewer per micro-batch.
             self.losses[i] = (loss.detach(), weight)  # added in order: ``loss_sum``
             state.start = self._start(loss, weight)
-        else:
-            self.send_forward(s, i, sent)
         if state is not None:
             self.states[(s, i)] = state
 
-    def backward(self, s: int, i: int, split: bool = False) -> None:
-        """Run ``B(s, i)`` (or, with ``split``, ``I(s, i)``: the input gradients only):
-        receive gradients, backpropagate, send gradients back."""
-        stage = self.stages[s]
+    def _backward(self, s: int, i: int, stage: Stage, sink: Optional[GradSink]) -> None:
+        """``B(s, i)``: receive gradients, backpropagate, send gradients back."""
         grads, skip_grads = self.output_grads(s, i)
-        if split:
-            state = self.states[(s, i)]
-            with self._computing(Phase.BACKWARD_INPUT, s, i):
-                received = stage.backward_input(state, grads, skip_grads, free=False)
-            self.send_backward(s, i, received)
-            stage.free_input_path(state)  # after the send: the gradients are not to wait
-            return
-        with self._handing_over(s, i), self._computing(Phase.BACKWARD, s, i):  # hooks: once
-            received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
-                                      sink=self._sink(s, i))
+        with self._handing_over(s, i):  # hooks: once
+            with self._computing(Phase.BACKWARD, s, i) if self.watched else hooks.OFF:
+                received = stage.backward(self.states.pop((s, i)), grads, skip_grads,
+                                          sink=sink)
         self.send_backward(s, i, received)
 
-    def backward_weight(self, s: int, i: int) -> None:
-        """Run ``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
+    def _backward_input(self, s: int, i: int, stage: Stage) -> None:
+        """``I(s, i)``: the input gradients only, sent before the input path is freed."""
+        grads, skip_grads = self.output_grads(s, i)
+        state = self.states[(s, i)]
+        with self._computing(Phase.BACKWARD_INPUT, s, i) if self.watched else hooks.OFF:
+            received = stage.backward_input(state, grads, skip_grads, free=False)
+        self.send_backward(s, i, received)
+        stage.free_input_path(state)  # after the send: the gradients are not to wait
+
+    def _backward_weight(self, s: int, i: int, stage: Stage,
+                         sink: Optional[GradSink]) -> None:
+        """``W(s, i)``: the parameters' gradients of micro-batch ``i`` (after its ``I``)."""
         with self._handing_over(s, i), \
-                self._computing(Phase.BACKWARD_WEIGHT, s, i):  # hooks: once
-            self.stages[s].backward_weight(self.states.pop((s, i)), sink=self._sink(s, i))
+                self._computing(Phase.BACKWARD_WEIGHT, s, i) if self.watched else hooks.OFF:
+            stage.backward_weight(self.states.pop((s, i)), sink=sink)

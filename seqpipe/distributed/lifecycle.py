@@ -17,6 +17,7 @@ schedule picked from it runs from the next call on.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
@@ -32,13 +33,21 @@ from seqpipe.core.grad_mode import check_grad_enabled
 from seqpipe.core.loss_weights import CountFn, LossWeights, loss_weights
 from seqpipe.core.microbatch import Batch, Input, TensorOrTensors, gather
 from seqpipe.core.stage import Stage
+from seqpipe.core.tasks import Step
 from seqpipe.distributed import tensor_parallel
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.agreement import call_kind, check_same_call, opened
 from seqpipe.distributed.auto import AutoRunner
 from seqpipe.distributed.data_parallel import GradientReducer, broadcast_buffers
 from seqpipe.distributed.fsdp import ShardedStep
-from seqpipe.distributed.plan import OPENING, Planned, call_actions, closer, messages
+from seqpipe.distributed.plan import (
+    OPENING,
+    Planned,
+    call_actions,
+    closer,
+    messages,
+    routes,
+)
 from seqpipe.distributed.step import Call, LossFn
 from seqpipe.distributed.tie_grads import TieGrads
 from seqpipe.distributed.traced import end_step
@@ -109,6 +118,7 @@ class CallLifecycle:
         self.num_stages = placement.num_stages
         self.stage_index = next(iter(stages))  # with one stage per rank, the stage
         self.plans: Dict[Tuple[int, bool], CallPlan] = {}
+        self.routes = routes(layout, placement)  # every call's (``Call.routes``)
         self.validated: Set[int] = {chunks}  # the pipe checked the schedule for ``chunks``
 
     @property
@@ -227,7 +237,7 @@ class CallLifecycle:
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=True,
                     seed=seed, timer=self.auto.timer() if self.auto else None,
                     replica=reducer.replica if reducer else None, reducer=reducer,
-                    mesh=self.mesh)
+                    routes=self.routes, mesh=self.mesh)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks)
         with self._undoing_on_failure():
             loss = self._train_step(call, input, target, loss_fn, chunks, checkpoint,
@@ -245,7 +255,8 @@ class CallLifecycle:
         """One ``DistributedPipe.forward`` on this rank (the caller turns off autograd)."""
         self.transport.begin()
         call = Call(self.stages, self.transport, self.layout, self.placement, grad=False,
-                    replica=self.reducer.replica if self.reducer else None, mesh=self.mesh)
+                    replica=self.reducer.replica if self.reducer else None,
+                    routes=self.routes, mesh=self.mesh)
         step = hooks.begin_step(self.schedule, self.num_stages, self.num_ranks, backward=False)
         with self._undoing_on_failure():
             output = self._forward(call, input, chunks)
@@ -297,17 +308,13 @@ class CallLifecycle:
                 call.grads[s] = StepGrads(self.stages[s], actions[n].microbatch)
         final = max(last.values())
         call.split = plan.split  # type: ignore[assignment]
-        reducer, shares = self.reducer, weights.weights
-
-        def run(n: int, action: Action) -> None:
-            if n == final and reducer is not None:
-                reducer.arm()  # gradients final from here: reduce as they land
+        steps = call.steps(actions, batches, targets, loss_fn, weights.weights)
+        for n, action in enumerate(actions):  # what wraps a step: only where it applies
             if action.stage in sharded.stages:
-                with sharded.around(n, action):
-                    call.run(action, batches, targets, loss_fn, shares)
-            else:
-                call.run(action, batches, targets, loss_fn, shares)
-        call.run_actions(actions, run)
+                steps[n] = functools.partial(_around, sharded, n, action, steps[n])
+        if self.reducer is not None:  # gradients final from here: reduce as they land
+            steps[final] = functools.partial(_armed, self.reducer, steps[final])
+        call.run_actions(actions, steps)
         with call.guard("end of the step"):
             for stage in self.stages.values():
                 stage.finish_forward()
@@ -350,9 +357,22 @@ class CallLifecycle:
                  chunks: int) -> Optional[TensorOrTensors]:
         with call.guard("start of the call"):
             batches, plan = self.open(call, input, chunks)
-        call.run_actions(plan.actions, lambda _, action: call.run(action, batches, None, None, []))
+        call.run_actions(plan.actions, call.steps(plan.actions, batches, None, None, []))
         with call.guard("end of the call"):
             for stage in self.stages.values():
                 stage.finish_forward()
             self.close(call, None)
         return gather(call.outputs) if self.is_last else None
+
+
+def _around(sharded: ShardedStep, n: int, action: Action, step: Step) -> None:
+    """``step`` (the ``n``-th, ``action``) of a stage wrapped with FSDP2."""
+    with sharded.around(n, action):
+        step()
+
+
+def _armed(reducer: GradientReducer, step: Step) -> None:
+    """The step after which a stage's gradients are final: the reducer reduces them as
+    they land from then on."""
+    reducer.arm()
+    step()

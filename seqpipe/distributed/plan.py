@@ -45,9 +45,10 @@ from seqpipe.schedule import (
 from seqpipe.schedule.protocol import stage_named as _staged
 from seqpipe.schedule.protocol import staged_orders
 from seqpipe.skip.layout import SkipLayout
+from seqpipe.skip.tracker import SkipKey
 
-__all__ = ["Planned", "OPENING", "call_actions", "split_tails", "messages", "closer",
-           "channels", "pipeline_channels"]
+__all__ = ["Planned", "OPENING", "Route", "call_actions", "split_tails", "messages", "closer",
+           "channels", "pipeline_channels", "routes"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,35 @@ class Planned:
 
 
 OPENING = Planned(Kind.STEP, -1, -1, -1, -1)  # rank of stage 0 -> every other rank, first
+
+# a skip crossing to or from a stage: its key, the other end's rank, its index in the
+# layout (how messages name it), the other end's stage
+SkipRoute = Tuple[SkipKey, int, int, int]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one stage's messages come from and go to, made once per pipeline (every
+    action asks): the ranks of the stages before and after it (-1: none), the skips it
+    pops (each from its stashing stage) and those it stashes (each to its popping stage),
+    in layout order."""
+
+    before: int
+    after: int
+    popped: Tuple[SkipRoute, ...]
+    stashed: Tuple[SkipRoute, ...]
+
+
+def routes(layout: SkipLayout, placement: Placement) -> Dict[int, Route]:
+    """The ``Route`` of every stage of ``placement``."""
+    rank, last = placement.rank_of, placement.num_stages - 1
+    index = {skip.key: n for n, skip in enumerate(layout)}
+    return {s: Route(rank(s - 1) if s > 0 else -1, rank(s + 1) if s < last else -1,
+                     tuple((k.key, rank(k.stash_partition), index[k.key], k.stash_partition)
+                           for k in layout.skips_popped_by(s)),
+                     tuple((k.key, rank(k.pop_partition), index[k.key], k.pop_partition)
+                           for k in layout.skips_stashed_by(s)))
+            for s in range(placement.num_stages)}
 
 
 def closer(num_stages: int, grad: bool) -> int:

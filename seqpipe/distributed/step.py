@@ -1,19 +1,20 @@
 """One call of a distributed pipeline on one rank: its stages' actions, in schedule order.
 
-A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.run``
-(``seqpipe.core.tasks.Tasks``, shared with the local engine) dispatches each action by its phase
-(``F``, ``B``, ``I``, ``W``) to the stage it names, so no schedule has code of its own here;
-``Call`` supplies the transport side. Data comes in through ``Transport`` messages
-(between two stages of one rank, in memory); whatever arrives before it is needed waits
-in an inbox. The rank of stage 0 opens every call by telling the others how many
-micro-batches it has cut (those its first action sends to before it, the others right after
-it: ``run_actions``); the rank of the last stage closes it by sending the loss, and the
-rank that finishes last sends "done" to every other rank, so a failure anywhere reaches
-every rank: a failing rank sends an ABORT to the ranks that still expect a message from it,
-and a rank waiting on a peer that reports a failure, or dies, raises and passes it on the
-same way (``Transport.abort``). A rank whose last actions send nothing (weight gradients at
-the end of a zero-bubble schedule) reports "done" to the finishing rank, so that a failure
-there is still heard.
+A rank holds one stage, or several (interleaved and V-shaped schedules); ``Call.steps``
+(``seqpipe.core.tasks.Tasks``, shared with the local engine) compiles the call's actions,
+before the first runs, into one step each, of its phase (``F``, ``B``, ``I``, ``W``) on the
+stage it names, so no schedule has code of its own here; ``Call`` supplies the transport
+side, each stage's peers looked up once per pipeline (``plan.routes``). Data comes in
+through ``Transport`` messages (between two stages of one rank, in memory); whatever
+arrives before it is needed waits in an inbox. The rank of stage 0 opens every call by
+telling the others how many micro-batches it has cut (those its first action sends to
+before it, the others right after it: ``run_actions``); the rank of the last stage closes
+it by sending the loss, and the rank that finishes last sends "done" to every other rank,
+so a failure anywhere reaches every rank: a failing rank sends an ABORT to the ranks that
+still expect a message from it, and a rank waiting on a peer that reports a failure, or
+dies, raises and passes it on the same way (``Transport.abort``). A rank whose last actions
+send nothing (weight gradients at the end of a zero-bubble schedule) reports "done" to the
+finishing rank, so that a failure there is still heard.
 
 The order in which a call sends its messages is the one ``seqpipe.distributed.plan``
 lists (every rank derives it to receive ahead); the transport checks each send against it.
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import (
     TYPE_CHECKING,
     Any,
-    Callable,
     ContextManager,
     Dict,
     Iterator,
@@ -42,17 +42,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.sink import GradSink
 from seqpipe.core.stage import Grads, Received, Sent, Stage, TaskState, moved
-from seqpipe.core.tasks import LossFn, Tasks
+from seqpipe.core.tasks import LossFn, Step, Tasks
 from seqpipe.distributed import traced
 from seqpipe.distributed.accumulate import StepGrads
 from seqpipe.distributed.auto import ActionTimer
 from seqpipe.distributed.dtensor_wire import Crossing
-from seqpipe.distributed.plan import Planned
+from seqpipe.distributed.plan import Planned, Route, routes
 from seqpipe.distributed.transport import Kind, Message, PeerError, Transport
 from seqpipe.distributed.values import Values, check_values
 from seqpipe.schedule import Action, Phase, Placement
 from seqpipe.skip.layout import SkipLayout
 from seqpipe.skip.tracker import SkipKey
+from seqpipe.trace.hooks import OFF
 
 if TYPE_CHECKING:
     from seqpipe.distributed.data_parallel import GradientReducer
@@ -95,6 +96,7 @@ class Call(Tasks):
     replica: Optional[int] = None  # this pipeline's index in the data-parallel group
     reducer: Optional["GradientReducer"] = None  # told of a failure, for the replicas
     sharded: Optional["ShardedStep"] = None  # told too, for FSDP2's replicas and shards
+    routes: Dict[int, Route] = field(default_factory=dict)  # per stage (``plan.routes``)
     mesh: Optional[DeviceMesh] = None  # DistributedPipe(mesh=...): where a received
     # DTensor is rebuilt
     dtensors: Crossing = field(init=False)  # DTensors across stage boundaries
@@ -103,6 +105,9 @@ class Call(Tasks):
 
     def __post_init__(self) -> None:
         self.dtensors = Crossing(self.stages, self.mesh)
+        self.watch()  # (its messages' spans, from the opening on)
+        if not self.routes:
+            self.routes = routes(self.layout, self.placement)
 
     @property
     def rank(self) -> int:
@@ -131,12 +136,13 @@ class Call(Tasks):
     def _of_replica(self) -> str:
         return "" if self.replica is None else f" of replica {self.replica}"
 
-    def key_index(self, key: SkipKey) -> int:
-        return [skip.key for skip in self.layout].index(key)
-
     def _sink(self, stage: int, i: int) -> Optional[GradSink]:
         grads = self.grads.get(stage)
         return grads.sink_for(i) if grads is not None else None
+
+    @property
+    def timing(self) -> bool:
+        return self.timer is not None
 
     def _timed(self, phase: Phase, stage: int, i: int) -> ContextManager[None]:
         return self.timer.timed(phase, stage, i) if self.timer is not None else nullcontext()
@@ -155,7 +161,7 @@ class Call(Tasks):
         else:
             message = self.inbox.pop(wanted, None) if self.inbox else None
             if message is None:
-                with traced.receiving(self, src, wanted):
+                with traced.receiving(self, src, wanted) if self.watched else OFF:
                     message = self._take(src, kind)
                     while (message.kind, message.microbatch, message.key,
                            message.origin) != wanted:  # (the plan's order: rarely)
@@ -198,7 +204,8 @@ class Call(Tasks):
                         atomic=atomic, origin=origin, values=values)
             return
         try:
-            with traced.sending(self, dst, kind, microbatch, key, origin):
+            with traced.sending(self, dst, kind, microbatch, key, origin) if self.watched \
+                    else OFF:
                 self.transport.send(dst, kind, microbatch, tensors, flags, key=key,
                                     count=count, atomic=atomic, origin=origin, values=values)
         except (TypeError, ValueError):  # what cannot be sent at all: this stage's error
@@ -226,56 +233,58 @@ class Call(Tasks):
 
     # -- the transport side of the actions (``Tasks`` runs them) -------------------------
     def receive_forward(self, s: int, i: int, inputs: Optional[Sequence[Batch]]) -> Received:
-        rank = self.placement.rank_of
+        route = self.routes[s]
         if s == 0:
             assert inputs is not None
             received_batch, flags = moved(inputs[i], self.stages[s].device)
         else:
-            message = self.need(rank(s - 1), Kind.ACTIVATION, i, origin=s - 1)
+            message = self.need(route.before, Kind.ACTIVATION, i, origin=s - 1)
             received_batch = Batch(message.tensors, message.atomic,  # type: ignore[arg-type]
                                    message.values)
             flags = message.flags
         skips: Dict[SkipKey, Optional[Tensor]] = {}
-        for skip in self.layout.skips_popped_by(s):
-            message = self.need(rank(skip.stash_partition), Kind.SKIP, i,
-                                self.key_index(skip.key), skip.stash_partition)
-            skips[skip.key] = message.tensors[0]
+        for key, src, index, stage in route.popped:
+            message = self.need(src, Kind.SKIP, i, index, stage)
+            skips[key] = message.tensors[0]
             flags += message.flags
         return Received(received_batch, skips, flags)
 
     def send_forward(self, s: int, i: int, sent: Sent) -> None:
-        rank = self.placement.rank_of
-        for key, tensor in sorted(sent.skips.items(), key=lambda kv: self.key_index(kv[0])):
-            self.send(rank(self.layout.pop_partition(*key)), Kind.SKIP, i, [tensor],
-                      [sent.wants_grad(tensor)], key=self.key_index(key), origin=s)
-        if s < self.num_stages - 1:
+        route = self.routes[s]
+        if sent.skips:
+            for key, dst, index, _ in route.stashed:  # (layout order)
+                if key in sent.skips:
+                    tensor = sent.skips[key]
+                    self.send(dst, Kind.SKIP, i, [tensor], [sent.wants_grad(tensor)],
+                              key=index, origin=s)
+        if route.after >= 0:
             outs = sent.outputs.tensors
-            self.send(rank(s + 1), Kind.ACTIVATION, i, outs, [sent.wants_grad(t) for t in outs],
+            self.send(route.after, Kind.ACTIVATION, i, outs, [sent.wants_grad(t) for t in outs],
                       atomic=sent.outputs.atomic, origin=s, values=sent.outputs.constants)
         else:
             self.outputs.append(sent.outputs)
 
     def receive_backward(self, s: int, i: int
                          ) -> Tuple[Tuple[Optional[Tensor], ...], Dict[SkipKey, Optional[Tensor]]]:
-        rank = self.placement.rank_of
-        grads = self.need(rank(s + 1), Kind.GRAD, i, origin=s + 1).tensors
-        skip_grads = {skip.key: self.need(rank(skip.pop_partition), Kind.SKIP_GRAD, i,
-                                          self.key_index(skip.key), skip.pop_partition
-                                          ).tensors[0]
-                      for skip in self.layout.skips_stashed_by(s)}
+        route = self.routes[s]
+        grads = self.need(route.after, Kind.GRAD, i, origin=s + 1).tensors
+        skip_grads = {key: self.need(dst, Kind.SKIP_GRAD, i, index, stage).tensors[0]
+                      for key, dst, index, stage in route.stashed}
         return grads, skip_grads
 
     def send_backward(self, s: int, i: int, received: Grads) -> None:
-        rank = self.placement.rank_of
+        route = self.routes[s]
         if s > 0:
-            self.send(rank(s - 1), Kind.GRAD, i, received.inputs, origin=s)
+            self.send(route.before, Kind.GRAD, i, received.inputs, origin=s)
         elif any(g is not None for g in received.inputs):
             if not self.input_grads:
                 self.input_grads = [()] * self.microbatches
             self.input_grads[i] = received.inputs
-        for key, grad in received.skips.items():
-            self.send(rank(self.layout.stash_partition(*key)), Kind.SKIP_GRAD, i, [grad],
-                      key=self.key_index(key), origin=s)
+        if received.skips:
+            to = {key: (src, index) for key, src, index, _ in route.popped}
+            for key, grad in received.skips.items():
+                src, index = to[key]
+                self.send(src, Kind.SKIP_GRAD, i, [grad], key=index, origin=s)
 
     # -- failure handling --------------------------------------------------------------
     @contextmanager
@@ -289,21 +298,21 @@ class Call(Tasks):
             self._failed(exc, action, stage)
             raise
 
-    def run_actions(self, actions: Sequence[Action],
-                    run: Callable[[int, Action], None]) -> None:
-        """``run(n, action)`` for the ``n``-th of this rank's ``actions``, in order, each
-        guarded as ``guard`` guards a piece of the call, without a context (or its
-        description) made per action: a step runs many."""
-        for n, action in enumerate(actions):
-            self.at = action
-            try:
-                run(n, action)
+    def run_actions(self, actions: Sequence[Action], steps: Sequence[Step]) -> None:
+        """Run the ``n``-th of this rank's ``actions`` as ``steps[n]`` (``Tasks.steps``), in
+        order, each guarded as ``guard`` guards a piece of the call, without a context (or
+        its description) made per action: a step runs many."""
+        n = 0
+        try:
+            for n, step in enumerate(steps):
+                self.at = actions[n]
+                step()
                 if n == 0 and self.openings is not None and self.openings[1]:
                     self.open_to(self.openings[1])  # the ranks not told before (``open``)
                 self.transport.post_due()  # after its sends: the next data flows meanwhile
-            except Exception as exc:
-                self._failed(exc, describe(action), action.stage)
-                raise
+        except Exception as exc:
+            self._failed(exc, describe(actions[n]), actions[n].stage)
+            raise
 
     def _failed(self, exc: Exception, action: str, stage: Optional[int]) -> None:
         """``exc`` ended ``action`` (of ``stage``): tell every other rank, and name where

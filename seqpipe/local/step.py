@@ -165,11 +165,12 @@ class LocalStep(Tasks):
         first = actions[0].stage
         assert first is not None
         device = self.stages[first].device
+        steps = dict(zip(actions, self.steps(actions, None, targets, loss_fn, weights)))
 
         def execute(action: Action) -> None:
             assert action.stage is not None
             own = self.stages[action.stage].device
             with _SAME_DEVICE if own == device else device_context(own):
-                self.run(action, None, targets, loss_fn, weights)
+                steps[action]()
 
         return Program(first, actions, self.awaits, execute, device)
