@@ -14,12 +14,14 @@ when it is built, so the candidates must share one: ``Auto.ONE_PER_RANK`` (the d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from seqpipe.schedule.action import Action, Phase
+from seqpipe.schedule.costs import Costs
+from seqpipe.schedule.join import Orders, RunsAs, join_splits, joined, simulate_orders
 from seqpipe.schedule.placement import Placement
-from seqpipe.schedule.protocol import ScheduleError, placement_of, rank_orders
+from seqpipe.schedule.protocol import AnySchedule, ScheduleError, placement_of, rank_orders
 from seqpipe.schedule.registry import SCHEDULES, builtin_or_object, normalized
 from seqpipe.schedule.replay import replay
 
@@ -27,23 +29,17 @@ __all__ = ["Auto", "AutoChoice", "Costs", "Prediction"]
 
 
 @dataclass(frozen=True)
-class Costs:
-    """Seconds per micro-batch of each stage's ``F``, ``I`` and ``W`` (``B = I + W``)."""
-
-    forward: tuple[float, ...]
-    input: tuple[float, ...]
-    weight: tuple[float, ...]
-
-
-@dataclass(frozen=True)
 class Prediction:
     """One candidate's simulated step: its makespan (seconds) and peak memory (the most
-    whole micro-batches of a rank's layers alive at once, ``peak_activation_memory``)."""
+    whole micro-batches of a rank's layers alive at once, ``peak_activation_memory``);
+    ``schedule``: what runs if it is picked (a built-in, or the ``Orders`` of a
+    ``joined(...)`` candidate)."""
 
     name: str
     makespan: float
     peak: float
     fits: bool  # within the memory cap
+    schedule: Optional[AnySchedule] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -55,14 +51,29 @@ class AutoChoice:
     predictions: tuple[Prediction, ...]  # the candidates that can run, fastest first
     costs: Costs
 
+    @property
+    def schedule(self) -> AnySchedule:
+        """What the pick runs: a built-in, or (``joined(...)``) its ``Orders``."""
+        picked = next(p for p in self.predictions if p.name == self.name)
+        return picked.schedule if picked.schedule is not None else SCHEDULES[self.name]()
+
     def describe(self, cap: Optional[float]) -> str:
-        """One line: the pick and every candidate's predicted step."""
+        """One line: the pick (and which backwards it still splits) and every candidate's
+        predicted step."""
         shown = ", ".join(f"{p.name} {p.makespan * 1e3:.1f} ms"
                           + ("" if p.fits else f" (peak {p.peak:g} > cap)")
                           for p in self.predictions)
         limit = "" if cap is None else f", at most {cap:g} live micro-batches per rank"
-        return (f"seqpipe: schedule='auto' picked {self.name!r} for {self.num_microbatches} "
-                f"micro-batches{limit}; predicted step: {shown}")
+        picked = self.schedule
+        kept = ""
+        if isinstance(picked, Orders):
+            by_stage: dict[int, list[str]] = {}
+            for stage, i in sorted(picked.splits):
+                by_stage.setdefault(stage, []).append(str(i))
+            kept = " (split: " + ("; ".join(f"stage {s} micro-batches {', '.join(i)}"
+                                             for s, i in by_stage.items()) or "none") + ")"
+        return (f"seqpipe: schedule='auto' picked {self.name!r}{kept} for "
+                f"{self.num_microbatches} micro-batches{limit}; predicted step: {shown}")
 
 
 def _splits(schedule: object, num_ranks: int, m: int) -> bool:
@@ -78,6 +89,12 @@ class Auto:
         max_live_microbatches: the most activations a rank may hold, in whole micro-batches
             of its layers (``Simulation.peak_activation_memory``); candidates above it are
             not picked (if none fits, the one with the smallest peak is). Default: no cap.
+        join: also weigh, for each candidate that splits its backward, ``joined(name)``:
+            the same orders with a split joined into one ``B`` wherever the simulator,
+            charging a split what it was measured to cost, predicts it fills no wait
+            (:func:`~seqpipe.schedule.join_splits`). The first step then measures ``B``
+            too, running every other micro-batch's backward joined. ``False``: the named
+            candidates only, measured with their own orders.
     """
 
     ONE_PER_RANK = ("zb_h1", "zb_h2", "1f1b", "fill_drain")
@@ -85,7 +102,7 @@ class Auto:
     V_SHAPE = ("zbv", "dualpipev")
 
     def __init__(self, candidates: Sequence[str] = ONE_PER_RANK, *,
-                 max_live_microbatches: Optional[float] = None) -> None:
+                 max_live_microbatches: Optional[float] = None, join: bool = True) -> None:
         if isinstance(candidates, str) or not candidates:
             raise ValueError("Auto needs a non-empty sequence of built-in schedule names, "
                              f"e.g. Auto.ONE_PER_RANK = {Auto.ONE_PER_RANK}")
@@ -98,10 +115,11 @@ class Auto:
         if max_live_microbatches is not None and not max_live_microbatches > 0:
             raise ValueError(f"max_live_microbatches must be > 0, got {max_live_microbatches!r}")
         self.max_live_microbatches = max_live_microbatches
+        self.join = bool(join)
 
     def __repr__(self) -> str:
         return (f"Auto({list(self.candidates)}, "
-                f"max_live_microbatches={self.max_live_microbatches})")
+                f"max_live_microbatches={self.max_live_microbatches}, join={self.join})")
 
     def placement(self, num_ranks: int) -> Placement:
         """The candidates' common placement; ``ScheduleError`` if they differ."""
@@ -144,21 +162,55 @@ class Auto:
             return (split or fitting)[0]
         return min(runnable, key=lambda np: np[1])[0]
 
+    def measuring_schedule(self, num_ranks: int, m: int) -> AnySchedule:
+        """What the first step runs: :meth:`measuring`'s schedule; with ``join`` and a split
+        one, its odd micro-batches' backwards joined into ``B`` (in ``I``'s place), so
+        that the step measures ``B`` beside ``I`` and ``W`` (their difference is what a
+        split costs) on every stage, alternately, so that both meet the same conditions."""
+        name = self.measuring(num_ranks, m)
+        schedule = SCHEDULES[name]()
+        if not self.join or not _splits(schedule, num_ranks, m):
+            return schedule
+        return joined(schedule, num_ranks, m, lambda stage, i: i % 2 == 0,
+                      f"{name}, odd micro-batches joined")
+
     def rank_actions(self, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
         """Before costs are known: the measuring schedule's actions."""
-        name = self.measuring(num_ranks, num_microbatches)
-        return rank_orders(SCHEDULES[name](), num_ranks, num_microbatches)[1][rank]
+        measuring = self.measuring_schedule(num_ranks, num_microbatches)
+        return rank_orders(measuring, num_ranks, num_microbatches)[1][rank]
 
-    def choose(self, costs: Costs, num_ranks: int, m: int) -> AutoChoice:
+    def choose(self, costs: Costs, num_ranks: int, m: int, *,
+               runs_as: Optional[RunsAs] = None) -> AutoChoice:
         """The runnable candidate with the shortest simulated step for ``costs`` within the
-        cap (the smallest peak if none fits); ties: the earlier candidate."""
-        predictions = []
-        for name, peak in self._runnable(num_ranks, m):
-            sim = replay(SCHEDULES[name](), num_ranks, m, forward_cost=costs.forward,
-                         input_cost=costs.input, weight_cost=costs.weight)
-            predictions.append(Prediction(name, sim.makespan, peak, self._fits(peak)))
+        cap (the smallest peak if none fits); ties: the earlier candidate.
+
+        With ``join``, each split candidate ``name`` is preceded by ``joined(name)`` (unless
+        that joins nothing, or gives another candidate's orders), so on a tie the one
+        that splits less wins. ``runs_as``: what the engine runs for given orders (its own
+        splits, ``DistributedPipe``'s ``split_tails``), which every step is simulated as.
+        """
+        predictions: list[Prediction] = []
+        runnable = self._runnable(num_ranks, m)
+        table = {name: _fixed(SCHEDULES[name](), num_ranks, m, name) for name, _ in runnable}
+        for name, peak in runnable:
+            schedule = SCHEDULES[name]()
+            if self.join and _splits(schedule, num_ranks, m):
+                refined = join_splits(schedule, num_ranks, m, costs, runs_as=runs_as,
+                                      name=f"joined({name})")
+                if refined.orders not in {o.orders for o in table.values()}:
+                    sim = simulate_orders(refined, costs, runs_as)
+                    low = max(sim.peak_activation_memory)
+                    predictions.append(Prediction(refined.name, sim.makespan, low,
+                                                  self._fits(low), refined))
+            step = simulate_orders(table[name], costs, runs_as).makespan
+            predictions.append(Prediction(name, step, peak, self._fits(peak)))
         fitting = [p for p in predictions if p.fits]
         best = (min(fitting, key=lambda p: p.makespan) if fitting
                 else min(predictions, key=lambda p: p.peak))
         ranked = tuple(sorted(predictions, key=lambda p: p.makespan))  # stable: ties keep order
         return AutoChoice(best.name, m, ranked, costs)
+
+
+def _fixed(schedule: AnySchedule, num_ranks: int, m: int, name: str) -> Orders:
+    """``schedule``'s orders for ``m`` micro-batches as ``Orders`` (each naming its stage)."""
+    return joined(schedule, num_ranks, m, lambda stage, i: True, name)
