@@ -1,15 +1,17 @@
 """``schedule="auto"`` on a ``DistributedPipe``: measure the first step, agree, then switch.
 
-The first ``train_step`` runs ``Auto``'s measuring schedule (a split one: it times ``F``,
-``I`` and ``W`` of every stage) with an ``ActionTimer`` around each stage computation (not
-around the waits for data, which are the bubble, not the cost). At its end every rank adds
+The first ``train_step`` runs ``Auto``'s measuring schedule (a split one with every other
+backward joined: it times ``F``, ``B``, ``I`` and ``W`` of every stage) with an
+``ActionTimer`` around each stage computation (not around the waits for data, which are
+the bubble, not the cost). At its end every rank adds
 its stages' times, in integer nanoseconds per action, into one table with an all-reduce over the
 pipeline group and then over every group its stages are copied over (the data-parallel
 group, FSDP2's and ``replicate``'s mesh: ``MeshReduce``), so replicas and shards agree too:
 integer sums do
 not depend on the order of the reduction, so every rank holds the same costs, bit for bit,
 and ``Auto.choose``, deterministic, picks the same schedule everywhere. No object is pickled.
-From the next call on, each call of ``m`` micro-batches runs the pick for ``m``.
+From the next call on, each call of ``m`` micro-batches runs the pick for ``m``, predicted
+as this engine runs it (each stage's last backward split: ``split_tails``).
 
 The pick is logged once per ``m`` on the pipeline's rank 0, on the ``seqpipe.distributed``
 logger at INFO (a library does not print); ``DistributedPipe.auto_choice`` holds it.
