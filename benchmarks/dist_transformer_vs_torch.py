@@ -193,9 +193,10 @@ class Variants:
             pipe.train_step(x, y, loss_fn)
             if pipe.auto_choice is not None:  # the first step measured: the pick from now on
                 costs = pipe.auto_choice.costs
+                rows = (costs.forward, costs.backward, costs.input, costs.weight)
                 shown = "; ".join(
                     f"{kind} " + " / ".join(f"{t * 1e3:.2f}" for t in row)
-                    for kind, row in zip("FBIW", costs.table()))
+                    for kind, row in zip("FBIW", rows) if row is not None)
                 self.picks[name] = (f"{pipe.auto_choice.describe(None)}; measured ms per "
                                     f"micro-batch, stage 0 / 1: {shown}")
         self._add(f"seqpipe {name}", dict(pipe.named_parameters(remove_duplicate=False)),
