@@ -193,7 +193,8 @@ class Variants:
             pipe.train_step(x, y, loss_fn)
             if pipe.auto_choice is not None:  # the first step measured: the pick from now on
                 costs = pipe.auto_choice.costs
-                rows = (costs.forward, costs.backward, costs.input, costs.weight)
+                rows = (costs.forward, getattr(costs, "backward", None), costs.input,
+                        costs.weight)  # (main before session 14: no measured B)
                 shown = "; ".join(
                     f"{kind} " + " / ".join(f"{t * 1e3:.2f}" for t in row)
                     for kind, row in zip("FBIW", rows) if row is not None)
