@@ -57,10 +57,15 @@ def test_auto_picks_the_fastest_simulated_candidate_within_the_cap() -> None:
     assert "picked 'zb_h1' for 4 micro-batches, at most 2 live" in capped.describe(2)
 
 
-def test_auto_breaks_ties_by_candidate_order_and_falls_back_to_the_smallest_peak() -> None:
+def test_auto_breaks_ties_by_peak_then_candidate_order_and_falls_back_to_the_smallest_peak() -> None:
     even = Costs((1.0,) * 3, (1.0,) * 3, (1.0,) * 3)  # zb_h1 and zb_h2 take as long
     assert Auto(join=False).choose(even, 3, 6).name == "zb_h1"
-    assert Auto(["zb_h2", "zb_h1"], join=False).choose(even, 3, 6).name == "zb_h2"
+    assert Auto(["zb_h2", "zb_h1"], join=False).choose(even, 3, 6).name == "zb_h1"  # peak
+    # the same step and peak: the earlier, and joined(zb_h1) comes before zb_h1 (a free
+    # split, B = I + W: joining the splits whose W fills no wait changes nothing)
+    assert [(p.name, p.makespan, p.peak) for p in Auto().choose(even, 3, 6).predictions][:2] \
+        == [("joined(zb_h1)", 20.0, 3.0), ("zb_h1", 20.0, 3.0)]
+    assert Auto().choose(even, 3, 6).name == "joined(zb_h1)"
     assert Auto(["fill_drain", "1f1b"], max_live_microbatches=1).choose(even, 3, 6).name == \
         "1f1b"  # neither fits: the smaller peak (3 against 6)
 

@@ -5,7 +5,7 @@ candidate that splits its backward (so the step measures ``F``, ``I`` and ``W`` 
 stage; ``B = I + W``) and keeps within the memory cap. With the per-stage costs of that step
 (``Costs``), :meth:`Auto.choose` simulates every candidate that can lay out the call's
 micro-batches and keeps within the cap, and picks the shortest predicted step; ties go to
-the earlier candidate, so every rank, given the same costs, picks the same.
+the smaller peak memory, then to the earlier candidate, so every rank, given the same costs, picks the same.
 
 A pipeline's placement (which rank holds which stages, and the layers of each) is fixed
 when it is built, so the candidates must share one: ``Auto.ONE_PER_RANK`` (the default),
@@ -85,7 +85,8 @@ class Auto:
     """The schedule ``DistributedPipe(..., schedule="auto")`` runs (``Auto()``).
 
     Args:
-        candidates: built-in names sharing one placement, in order of preference on ties.
+        candidates: built-in names sharing one placement, in order of preference on ties
+            (of step and peak memory).
         max_live_microbatches: the most activations a rank may hold, in whole micro-batches
             of its layers (``Simulation.peak_activation_memory``); candidates above it are
             not picked (if none fits, the one with the smallest peak is). Default: no cap.
@@ -182,7 +183,8 @@ class Auto:
     def choose(self, costs: Costs, num_ranks: int, m: int, *,
                runs_as: Optional[RunsAs] = None) -> AutoChoice:
         """The runnable candidate with the shortest simulated step for ``costs`` within the
-        cap (the smallest peak if none fits); ties: the earlier candidate.
+        cap (the smallest peak if none fits); ties: the smaller peak, then the earlier
+        candidate.
 
         With ``join``, each split candidate ``name`` is preceded by ``joined(name)`` (unless
         that joins nothing, or gives another candidate's orders), so on a tie the one
@@ -205,7 +207,7 @@ class Auto:
             step = simulate_orders(table[name], costs, runs_as).makespan
             predictions.append(Prediction(name, step, peak, self._fits(peak)))
         fitting = [p for p in predictions if p.fits]
-        best = (min(fitting, key=lambda p: p.makespan) if fitting
+        best = (min(fitting, key=lambda p: (p.makespan, p.peak)) if fitting
                 else min(predictions, key=lambda p: p.peak))
         ranked = tuple(sorted(predictions, key=lambda p: p.makespan))  # stable: ties keep order
         return AutoChoice(best.name, m, ranked, costs)
