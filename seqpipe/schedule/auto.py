@@ -1,11 +1,15 @@
 """``Auto``: pick the built-in schedule the simulator predicts fastest for measured costs.
 
 An engine runs ``Auto`` as a schedule of its own for its first training step: the first
-candidate that splits its backward (so the step measures ``F``, ``I`` and ``W`` of every
-stage; ``B = I + W``) and keeps within the memory cap. With the per-stage costs of that step
-(``Costs``), :meth:`Auto.choose` simulates every candidate that can lay out the call's
-micro-batches and keeps within the cap, and picks the shortest predicted step; ties go to
-the smaller peak memory, then to the earlier candidate, so every rank, given the same costs, picks the same.
+candidate that splits its backward and keeps within the memory cap, with every other
+micro-batch's backward joined into one ``B`` (so the step measures ``F``, ``B``, ``I`` and
+``W`` of every stage: ``I + W - B`` is what a split costs). With the per-stage costs of
+that step (``Costs``), :meth:`Auto.choose` simulates every candidate that can lay out the
+call's micro-batches and keeps within the cap, and, for each that splits,
+``joined(name)``: its orders with a split kept only where the simulator predicts its ``W``
+fills a wait (``seqpipe.schedule.join``). It picks the shortest predicted step; ties go to
+the smaller peak memory, then to the earlier candidate, so every rank, given the same
+costs, picks the same.
 
 A pipeline's placement (which rank holds which stages, and the layers of each) is fixed
 when it is built, so the candidates must share one: ``Auto.ONE_PER_RANK`` (the default),
