@@ -344,6 +344,13 @@ def report(timed: Dict[str, Any], args: argparse.Namespace) -> List[str]:
                      f"{cpu_t} | {cpu_s} |")
         verdict = "meets" if speed >= RATIO_TARGET else "misses"
         summary.append(f"- {name}: seqpipe/torch {speed:.3f}× ({verdict} {RATIO_TARGET}×)")
+    if "1f1b" in args.schedules:  # seqpipe's own schedules against its 1f1b, paired per round
+        own = timed["seqpipe 1f1b"]["wall"]
+        for name in args.schedules:
+            if name != "1f1b":
+                ratio = _med([a / b for a, b in zip(timed[f"seqpipe {name}"]["wall"], own)])
+                summary.append(f"- seqpipe {name} / seqpipe 1f1b: {ratio:.3f} (step time; "
+                               "> 1: slower)")
     picks = [f"- {name}: {line}" for name, line in timed.get("picks", {}).items()]
     return lines + ["", "Targets:", *summary] + (["", "Picks:", *picks] if picks else [])
 
