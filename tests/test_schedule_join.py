@@ -24,6 +24,8 @@ from seqpipe.schedule import (
     B,
     Costs,
     I,
+    Phase,
+    Placement,
     ScheduleError,
     W,
     get_schedule,
@@ -34,13 +36,13 @@ from seqpipe.schedule import (
 )
 from seqpipe.schedule import F as Fwd
 from seqpipe.schedule.join import Orders, RunsAs, simulate_orders
-from seqpipe.schedule.protocol import staged_orders
+from seqpipe.schedule.protocol import placement_of, staged_orders
 
 # session 13's transformer (units of ~9 ms: F 0.9 / 1.0, I 0 / 1.1, W 1.6 / 0.7) with a split
 # costing stage 1 0.3 (B 1.5 < I + W 1.8): no W fills a wait that pays for its split
 COSTLY = Costs((0.9, 1.0), (0.0, 1.1), (1.6, 0.7), (1.6, 1.5))
-# the same with a split costing 0.1: the drain's W (after the last I) pays for it
-CHEAP = Costs((0.9, 1.0), (0.0, 1.1), (1.6, 0.7), (1.6, 1.7))
+# the same with a split costing 0.2: the drain's W (after the last I) pays for it
+CHEAP = Costs((0.9, 1.0), (0.0, 1.1), (1.6, 0.7), (1.6, 1.6))
 # three ranks, stage 0 the heavier: every W of stages 1 and 2 fills a wait
 FILLING = Costs((0.5,) * 3, (0.0, 0.5, 0.5), (1.0, 0.5, 0.5))
 
@@ -63,7 +65,7 @@ def _best_over_every_choice(name: str, k: int, m: int, costs: Costs,
 
 @pytest.mark.parametrize("costs, k, m, runs_as, kept", [
     (COSTLY, 2, 6, split_tails, ()),                    # every split joined: 1F1B
-    (CHEAP, 2, 6, split_tails, ((1, 4), (1, 5))),       # only the drain's: F4 I4 F5 I5 W4 W5
+    (CHEAP, 2, 6, split_tails, ((1, 4),)),  # only the drain's: F4 I4 F5 I5 W5 W4 as run
     (FILLING, 3, 4, None, tuple((s, i) for s in (1, 2) for i in range(4))),  # all kept
 ], ids=["all-joined", "drain-kept", "all-kept"])
 def test_join_splits_keeps_a_split_only_where_the_simulator_says_it_pays(
@@ -86,9 +88,23 @@ def test_joining_every_split_of_zb_h1_gives_1f1b_and_the_drains_run_last() -> No
     out = join_splits(get_schedule("zb_h1"), 2, 6, COSTLY, runs_as=split_tails)
     assert [list(r) for r in out.orders] == staged_orders(get_schedule("1f1b"), 2, 6)
     drain = join_splits(get_schedule("zb_h1"), 2, 6, CHEAP, runs_as=split_tails)
-    assert list(drain.orders[1][-6:]) == [Fwd(4, 1), I(4, 1), Fwd(5, 1), I(5, 1), W(4, 1),
-                                          W(5, 1)]
-    assert B(3, 1) in drain.orders[1]
+    ran = split_tails(drain.orders, drain.layout)[1]  # the engine splits the last B, B5
+    assert ran[-6:] == [Fwd(4, 1), I(4, 1), Fwd(5, 1), I(5, 1), W(5, 1), W(4, 1)]
+    assert [a for a in ran if a.phase is not Phase.FORWARD][:4] == [B(i, 1) for i in range(4)]
+
+
+def test_the_engine_splits_a_stages_last_backward_only_where_it_is_a_b() -> None:
+    """``split_tails`` used to split the last ``B`` of a stage whose last backward was split
+    already (a split that takes nothing off the step's end): ``joined(zb_h1)`` keeping the
+    drain's splits ran ``B5`` as ``I5 W5``, and so did ``dualpipev``'s stage 1 its ``B2``."""
+    drain = joined(get_schedule("zb_h1"), 2, 8, lambda s, i: s == 1 and i >= 6, "drain")
+    assert split_tails(drain.orders, drain.layout)[1] == list(drain.orders[1])
+    v = get_schedule("dualpipev")
+    ran = split_tails(staged_orders(v, 2, 4), placement_of(v, 2))
+    assert B(2, 1) in ran[1] and I(2, 1) not in ran[1]
+    assert I(3, 3) in ran[0] and B(3, 3) not in ran[0]  # its last backward: a B, split
+    one = split_tails(staged_orders(get_schedule("1f1b"), 2, 4), Placement.one_per_rank(2))
+    assert one[1][-2:] == [I(3, 1), W(3, 1)] and one[0][-1] == B(3, 0)
 
 
 def test_orders_are_for_one_size_and_joined_keeps_what_it_is_told() -> None:
@@ -110,8 +126,8 @@ def test_auto_weighs_the_joined_candidates_and_measures_b_beside_i_and_w() -> No
                                           runs_as=split_tails)
     predicted = {p.name: p.makespan for p in choice.predictions}
     assert predicted["joined(zb_h1)"] < min(predicted["1f1b"], predicted["zb_h1"])
-    assert "picked 'joined(zb_h1)' (split: stage 1 micro-batches 4, 5) for 6 micro-batches; " \
-        "predicted step: joined(zb_h1) 17700.0 ms, zb_h1 17900.0 ms, 1f1b 18100.0 ms" in \
+    assert "picked 'joined(zb_h1)' (split: stage 1 micro-batches 4) for 6 micro-batches; " \
+        "predicted step: joined(zb_h1) 17500.0 ms, 1f1b 17600.0 ms, zb_h1 17900.0 ms" in \
         choice.describe(None)
     assert "joined" not in Auto(join=False).choose(CHEAP, 2, 6).describe(None)
     # the first step: every other micro-batch's backward joined, so B is measured too
