@@ -169,9 +169,10 @@ def join_splits(schedule: AnySchedule, num_ranks: int, num_microbatches: int, co
                 break
         return best, keep
 
-    # From every split joined (splitting where that shortens the step) and from none
-    # (joining where that does not lengthen it): one join or one split alone can lengthen a
-    # step that many together shorten, so one start can stop short of the other's end.
+    # From every split joined (then splitting where that shortens the step) and from the
+    # schedule as given (then joining where that does not lengthen it): one join or one
+    # split alone can lengthen a step that several together shorten, so one start can stop
+    # short of the other's end.
     ends = [improve(set()), improve(set(splits))]
     _, keep = min(ends, key=lambda end: (end[0], len(end[1])))
     return _orders(label, placement, num_microbatches, _join(base, keep))
