@@ -11,7 +11,9 @@ and rank 0 reads every rank's events on one clock. Per step it reports:
 * for each ``W``: how much of it **filled a wait**, the part before the message that the
   rank's next action receives arrived (the sender's ``send`` event end). Without the
   ``W`` there, the rank would have idled that long; the rest of the ``W`` only delays
-  the next action;
+  the next action; and the ``W``s **in the drain** (after the rank's last ``I`` or ``B``:
+  they run while the ranks upstream finish their backwards, which the gradient sent
+  before them let start);
 * for each ``I`` that sends a gradient: what ran between its end and the send's start
   (the gradient is to leave first).
 
@@ -107,6 +109,8 @@ def _step(rows: Sequence[Row]) -> Dict[str, float]:
             if kind == "W":
                 got[f"rank {rank} W total"] += (end - start) * 1e3
                 got[f"rank {rank} W filled"] += _filled(mine, n, sends) * 1e3
+                if all(r[0] in ("W", "wait") for r in mine[n + 1:]):  # after the last I/B
+                    got[f"rank {rank} W in drain"] += (end - start) * 1e3
             if kind == "I":
                 sent = sends.get((rank, "gradient", mb))
                 if sent is not None:
