@@ -22,7 +22,7 @@ import logging
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,7 @@ def _costs(table: Tensor) -> Costs:
     """
     total, count = table.tolist()
 
-    def median(row: int, stage: int, where: Optional[List[int]] = None) -> float:
+    def median(row: int, stage: int, where: Optional[int] = None) -> float:
         seen = [t / c for i, (t, c) in enumerate(zip(total[row][stage], count[row][stage]))
                 if c and (where is None or count[where][stage][i])]
         return statistics.median(seen) / 1e9 if seen else 0.0
