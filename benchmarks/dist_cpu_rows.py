@@ -5,7 +5,7 @@ The model, ranks and variants of ``dist_vs_torch_pipelining.py`` (``seqpipe 1f1b
 ``--model transformer`` those of ``dist_transformer_vs_torch.py`` (its default GPT). Both
 variants run alternately in the same processes; only the main thread's CPU counts
 (``time.thread_time``: gloo's I/O threads excluded). Docs: docs/benchmarks.md,
-"Session 13: hot3".
+"Main-thread CPU per 1F1B step"; docs/benchmark-history.md, "Session 13: hot3".
 
 By default (unprofiled) a few functions are wrapped and timed exclusively (a call's time
 less that of the timed calls inside it): what both runtimes run alike (the layers'

@@ -1,7 +1,7 @@
 """How long posting point-to-point operations takes inside seqpipe training steps.
 
 Posting a gloo ``irecv``/``isend`` should take microseconds, but it writes a small notice
-to the pair's socket and can stall behind traffic on it (see docs/benchmarks.md,
+to the pair's socket and can stall behind traffic on it (see docs/benchmark-history.md,
 "Diagnosis"). This runs ``--steps`` training steps of a 2-rank ``DistributedPipe`` (the
 model of ``dist_vs_torch_pipelining.py``) and, on each rank, times every ``dist.irecv`` and
 ``dist.isend`` call the transport makes, after 3 warm-up steps: the total, and how many

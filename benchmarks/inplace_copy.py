@@ -13,7 +13,7 @@ pass over a 128 × 1024 activation per micro-batch, the partition's compute
 relatively dearer (``--width``, ``--depth``).
 
 Target: none (the copy is needed for correctness); the figure is reported in
-docs/benchmarks.md. Run: ``PYTHONPATH=. python benchmarks/inplace_copy.py``.
+docs/pipe.md. Run: ``PYTHONPATH=. python benchmarks/inplace_copy.py``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Main-thread CPU of one point-to-point operation: ``dist.isend``/``irecv`` against the
 process group's own ``send``/``recv`` (what ``dist.isend`` calls after its per-call checks:
 the tensor, the group, the peer's rank in it, membership). Session 12 measured whether the
-transport should call the group directly for its message buffers (docs/benchmarks.md,
+transport should call the group directly for its message buffers (docs/benchmark-history.md,
 "Session 12: cpu2").
 
 Two processes on loopback, gloo, one thread each. Each round, one message of ``--bytes``

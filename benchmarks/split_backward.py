@@ -27,12 +27,12 @@ backward's cost"), ``I + W`` over ``Stage B`` per micro-batch:
 
 Session 12 (``zb2``: one walk for the leaves too, the holders read in one loop), ``--rounds
 40``, 06:42-06:46, load average 4.5-4.7, alternating with ``main`` at ``f6996e0``: +3.22 /
-+3.49 / +3.20 ms against +3.28 / +4.00 / +3.54 (docs/benchmarks.md, "Session 12: zb2").
++3.49 / +3.20 ms against +3.28 / +4.00 / +3.54 (docs/benchmark-history.md, "Session 12: zb2").
 
 ``--against TREE`` also times another tree's split (its ``saved.py`` and ``split_backward.py``
 swapped into ``Stage`` round by round, in this process) and prints the median of per-round
 differences: separate processes differ by ±1 ms in memory layout alone, which this cancels.
-Session 13 (``zb3``, docs/benchmarks.md "Session 13: zb3"): ``--rounds 60 --against`` main at
+Session 13 (``zb3``, docs/benchmark-history.md "Session 13: zb3"): ``--rounds 60 --against`` main at
 ``92088f2``, 09:21, load average 2.1-2.3: I + W over ``Stage B`` +3.33 ms, −0.68 ms against
 main's split in the same rounds.
 """

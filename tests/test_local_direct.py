@@ -176,7 +176,7 @@ def test_a_checkpointed_or_traced_call_still_runs_the_engine() -> None:
 
 def test_a_direct_call_makes_few_python_calls() -> None:
     """The call's fixed cost is mostly Python calls, each several µs when it follows a
-    backward (docs/benchmarks.md, "Session 11: fwd"): the direct call is made of at most
+    backward (docs/benchmark-history.md, "Session 11: fwd"): the direct call is made of at most
     ``BUDGET`` calls of seqpipe's own functions (44 before session 11: a ``Batch`` or
     ``Input`` object made six times, nested closures around the partition, a skip tracker
     for a model without skips; 17 after, and 20 with session 11's three refusals' checks:

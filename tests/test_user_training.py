@@ -1,6 +1,6 @@
 """A user's training loop on ``DistributedPipe`` and ``Pipe``, against the plain model.
 
-Session 12's hunt (docs/distributed.md, "Session 12: hunt2"): what a user's loop does
+Session 12's hunt (docs/distributed.md, "A training loop"): what a user's loop does
 around ``train_step``, each compared with the unpipelined model trained the same way, in
 float64:
 
@@ -198,7 +198,7 @@ def test_a_models_own_loss_from_padded_labels_trains_with_count_fn(name: str) ->
     per-micro-batch token mean, weighted by samples (``loss_fn=lambda out, y: out[0]``,
     the recipe docs/models.md gave), is not the batch's token mean (gradients off by up to
     30 %); the mean times the micro-batch's count, with ``count_fn``, is the plain model's
-    loss on the whole batch, exactly (docs/models.md, "Session 12: hunt2")."""
+    loss on the whole batch, exactly (docs/models.md, "A model's own loss from padded labels")."""
     from graph_models import build
 
     from seqpipe.graph import to_sequential

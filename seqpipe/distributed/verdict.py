@@ -18,8 +18,8 @@ the verdict with a 1, then an all-gather of its failure text (``concede``); ever
 that reads a non-zero verdict joins that all-gather and raises ``PeerError`` with the
 failing replicas' texts. Since each rank of a failing pipeline raises (the failure reaches
 all of them), every replica of every stage hears it. On the happy path this costs one
-all-reduce of 8 bytes per step, and its read on the host (see docs/benchmarks.md, "A
-replica's failure").
+all-reduce of 8 bytes per step, and its read on the host (see docs/benchmarks.md, "Pipeline ×
+data parallelism").
 """
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def direct(spec: Spec, least: Optional[int] = DIRECT_BYTES) -> bool:
     The second point-to-point operation pays where the copy it saves costs more: on this
     project's 2-core CPU machine the sender's CPU per message is level at 1 MiB, a quarter
     to three fifths lower at 4-8 MiB, and no lower below 1 MiB (``benchmarks/dist_direct.py``,
-    docs/benchmarks.md "Session 10: hop3"). The receiver gains little either way.
+    docs/benchmark-history.md "Session 10: hop3"). The receiver gains little either way.
     """
     return least is not None and len(spec) == 1 and nbytes(spec) >= least
 

@@ -5,7 +5,8 @@ the forward and once for the backward. A thread started per stage and phase cost
 and, worse, starts cold: its OpenMP team is created at its first parallel kernel, and its
 first kernels run slower than the same kernels on a thread that has run them before (a
 stage's two-thread backward: 20 ms on a fresh thread, 11 ms on a warm one; see
-docs/benchmarks.md). So a worker that has run its job waits, idle, for the next one.
+docs/benchmark-history.md, "Shared intra-op threads"). So a worker that has run its job
+waits, idle, for the next one.
 
 While it runs a job a worker is named ``seqpipe-stage-N`` (its stage), idle it is
 ``seqpipe-idle``. An idle worker holds nothing of the call it ran (its job, the job's
