@@ -90,6 +90,8 @@ def test_auto_refuses_bad_options_with_what_to_do() -> None:
         Auto("zb_h1")
     with pytest.raises(ValueError, match="max_live_microbatches must be > 0"):
         Auto(max_live_microbatches=0)
+    with pytest.raises(ValueError, match="measure_steps must be an int >= 1, got 0"):
+        Auto(measure_steps=0)
     with pytest.raises(ScheduleError, match="none of Auto's candidates"):
         Auto(["dualpipev"]).measuring(2, 3)
 
@@ -212,11 +214,36 @@ def _joined(rank: int, world: int, failures: Failures) -> None:
     failures.expect(ran == call_actions(schedule, world, 4, True)[rank], f"ran {ran}")
 
 
+def _two_measured(rank: int, world: int, failures: Failures) -> None:
+    """``Auto(measure_steps=2)``: the first two steps run the measuring schedule, the costs
+    are the medians over both steps' micro-batches, and the pick runs from the third."""
+    x = torch.randn(8, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(3))
+    ref = uneven()
+    F.mse_loss(ref(x), x).backward()
+    auto = Auto(measure_steps=2)
+    pipe = DistributedPipe(uneven(), 4, schedule=auto, balance=[1, 1], checkpoint="never")
+    measuring = call_actions(auto, world, 4, True)[rank]
+    for step in range(3):
+        pipe.zero_grad(set_to_none=True)
+        pipe.train_step(x if pipe.is_first else None, x if pipe.is_last else None, F.mse_loss)
+        failures.grads(pipe, ref, f"measure_steps=2, step {step}")
+        failures.expect((pipe.auto_choice is None) == (step == 0), f"step {step}: "
+                        f"{pipe.auto_choice}")
+    choice = pipe.auto_choice
+    failures.expect(choice is not None and pipe._calls.plans[(4, True)].actions ==
+                    call_actions(choice.schedule, world, 4, True)[rank], "not the pick")
+    failures.expect(measuring != call_actions(get_schedule("zb_h1"), world, 4, True)[rank],
+                    "the first steps ran zb_h1 as named, not with B measured")
+    if choice is not None:
+        _same_on_every_rank(failures, world, repr((choice, choice.schedule)))
+
+
 def _auto(rank: int, world: int) -> None:
     failures = Failures(rank)
     for cap in (None, 2.0):
         _steps(rank, world, cap, failures)
     _joined(rank, world, failures)
+    _two_measured(rank, world, failures)
     failures.finish()
 
 

@@ -22,7 +22,7 @@ import logging
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,7 @@ class AutoRunner:
         self.num_ranks, self.num_stages = num_ranks, num_stages
         self.group, self.mesh, self.device = group, mesh, device
         self.costs: Optional[Costs] = None
+        self.tables: List[Tensor] = []  # per measured step so far: ``ActionTimer.table``
         self.choices: Dict[int, AutoChoice] = {}
 
     def schedule_for(self, m: int) -> AnySchedule:
@@ -139,8 +140,14 @@ class AutoRunner:
         return ActionTimer(self.device) if self.costs is None else None
 
     def decide(self, timer: ActionTimer, num_microbatches: int) -> None:
-        """Collective over the whole mesh (``mesh``), after a step of ``num_microbatches``
-        that every rank completed: the costs, the same on every rank."""
-        table = timer.table(self.num_stages, num_microbatches).to(self.device)
+        """After a step of ``num_microbatches`` that every rank completed: keep its times;
+        after ``Auto.measure_steps`` such steps, a collective over the whole mesh
+        (``mesh``): the costs, from every measured step's micro-batches, the same on every
+        rank."""
+        self.tables.append(timer.table(self.num_stages, num_microbatches))
+        if len(self.tables) < self.auto.measure_steps:
+            return
+        table = torch.cat(self.tables, dim=3).to(self.device)  # the steps' micro-batches
+        self.tables = []
         self.mesh().sum_(table)
         self.costs = _costs(table.cpu())

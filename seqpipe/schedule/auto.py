@@ -100,6 +100,9 @@ class Auto:
             (:func:`~seqpipe.schedule.join_splits`). The first step then measures ``B``
             too, running every other micro-batch's backward joined. ``False``: the named
             candidates only, measured with their own orders.
+        measure_steps: how many first steps measure (the costs are the medians over all
+            their micro-batches): more samples where one step's times vary (a shared
+            machine); the pick runs from the step after them.
     """
 
     ONE_PER_RANK = ("zb_h1", "zb_h2", "1f1b", "fill_drain")
@@ -113,7 +116,8 @@ class Auto:
     2-rank transformer ran 1.7 % slower, and holds one more micro-batch on rank 0)."""
 
     def __init__(self, candidates: Sequence[str] = ONE_PER_RANK, *,
-                 max_live_microbatches: Optional[float] = None, join: bool = True) -> None:
+                 max_live_microbatches: Optional[float] = None, join: bool = True,
+                 measure_steps: int = 1) -> None:
         if isinstance(candidates, str) or not candidates:
             raise ValueError("Auto needs a non-empty sequence of built-in schedule names, "
                              f"e.g. Auto.ONE_PER_RANK = {Auto.ONE_PER_RANK}")
@@ -127,10 +131,15 @@ class Auto:
             raise ValueError(f"max_live_microbatches must be > 0, got {max_live_microbatches!r}")
         self.max_live_microbatches = max_live_microbatches
         self.join = bool(join)
+        if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or \
+                measure_steps < 1:
+            raise ValueError(f"measure_steps must be an int >= 1, got {measure_steps!r}")
+        self.measure_steps = measure_steps
 
     def __repr__(self) -> str:
         return (f"Auto({list(self.candidates)}, "
-                f"max_live_microbatches={self.max_live_microbatches}, join={self.join})")
+                f"max_live_microbatches={self.max_live_microbatches}, join={self.join}, "
+                f"measure_steps={self.measure_steps})")
 
     def placement(self, num_ranks: int) -> Placement:
         """The candidates' common placement; ``ScheduleError`` if they differ."""
