@@ -73,10 +73,13 @@ from seqpipe.schedule import get_schedule, placement_of
 
 SCHEDULES = ("1f1b", "zb_h1", "interleaved_1f1b")
 TORCH_OF = {"fill_drain": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-            "zb_h1": "ScheduleInterleavedZeroBubble",
+            "zb_h1": "ScheduleInterleavedZeroBubble", "auto": "ScheduleInterleavedZeroBubble",
             "interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
             "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 _SINGLE = (pipelining.ScheduleGPipe, pipelining.Schedule1F1B)  # take one stage, not a list
+# seqpipe's schedule -> the torch variant it is timed against (``auto`` against torch's
+# zero-bubble one: it runs zb_h1, or zb_h1 with some backwards joined, or 1f1b)
+AGAINST = {"auto": "zb_h1"}
 ONE = "1 process"
 FLOOR = "compute floor"
 RATIO_TARGET = 1.05
@@ -162,8 +165,10 @@ class Variants:
         self.steps: Dict[str, Callable[[], None]] = {}
         self.params: Dict[str, Dict[str, nn.Parameter]] = {}  # by state-dict name
         self.model = model
+        self.picks: Dict[str, str] = {}  # schedule="auto": what it picked, and why
         for name in args.schedules:
-            self._torch(name, args.blocks)
+            if f"torch {AGAINST.get(name, name)}" not in self.steps:
+                self._torch(AGAINST.get(name, name), args.blocks)
             self._seqpipe(name, args.blocks)
         self._floor(args.blocks)
         whole = copy.deepcopy(model)
@@ -184,8 +189,19 @@ class Variants:
                                balance=balance_of(blocks, stages), schedule=name,
                                checkpoint="never", device="cpu")
         x, y = self.x, self.y  # each rank's pipe reads what its placement needs
+        def step() -> None:
+            pipe.train_step(x, y, loss_fn)
+            if pipe.auto_choice is not None:  # the first step measured: the pick from now on
+                costs = pipe.auto_choice.costs
+                rows = (costs.forward, getattr(costs, "backward", None), costs.input,
+                        costs.weight)  # (main before session 14: no measured B)
+                shown = "; ".join(
+                    f"{kind} " + " / ".join(f"{t * 1e3:.2f}" for t in row)
+                    for kind, row in zip("FBIW", rows) if row is not None)
+                self.picks[name] = (f"{pipe.auto_choice.describe(None)}; measured ms per "
+                                    f"micro-batch, stage 0 / 1: {shown}")
         self._add(f"seqpipe {name}", dict(pipe.named_parameters(remove_duplicate=False)),
-                  lambda: pipe.train_step(x, y, loss_fn) and None)
+                  step)
 
     def _torch(self, name: str, blocks: int) -> None:
         placement = placement_of(get_schedule(name), 2)
@@ -284,6 +300,7 @@ def bench_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         dist.all_gather_object(everyone, worst)
         if rank == 0:
             timed["grad_error"] = max(d for w in everyone for d in w.values())  # type: ignore
+            timed["picks"] = variants.picks
             queue.put(("timing", rank, timed))
         dist.barrier()
     finally:
@@ -316,7 +333,7 @@ def report(timed: Dict[str, Any], args: argparse.Namespace) -> List[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     summary = []
     for name in args.schedules:
-        ours, theirs = timed[f"seqpipe {name}"], timed[f"torch {name}"]
+        ours, theirs = timed[f"seqpipe {name}"], timed[f"torch {AGAINST.get(name, name)}"]
         s, t = _med(ours["wall"]), _med(theirs["wall"])
         speed = _med([b / a for a, b in zip(ours["wall"], theirs["wall"])])
         cpu_t = " / ".join(f"{_med(c) * 1e3:.1f}" for c in theirs["ranks"])
@@ -327,7 +344,15 @@ def report(timed: Dict[str, Any], args: argparse.Namespace) -> List[str]:
                      f"{cpu_t} | {cpu_s} |")
         verdict = "meets" if speed >= RATIO_TARGET else "misses"
         summary.append(f"- {name}: seqpipe/torch {speed:.3f}× ({verdict} {RATIO_TARGET}×)")
-    return lines + ["", "Targets:", *summary]
+    if "1f1b" in args.schedules:  # seqpipe's own schedules against its 1f1b, paired per round
+        own = timed["seqpipe 1f1b"]["wall"]
+        for name in args.schedules:
+            if name != "1f1b":
+                ratio = _med([a / b for a, b in zip(timed[f"seqpipe {name}"]["wall"], own)])
+                summary.append(f"- seqpipe {name} / seqpipe 1f1b: {ratio:.3f} (step time; "
+                               "> 1: slower)")
+    picks = [f"- {name}: {line}" for name, line in timed.get("picks", {}).items()]
+    return lines + ["", "Targets:", *summary] + (["", "Picks:", *picks] if picks else [])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -123,10 +123,15 @@ def call_actions(schedule: AnySchedule, num_ranks: int, m: int,
     return split_tails(actions, placement_of(schedule, num_ranks))
 
 
+_SENDS_GRADIENT = (Phase.BACKWARD, Phase.BACKWARD_INPUT)
+
+
 def split_tails(actions: Sequence[Sequence[Action]], placement: Placement) -> List[List[Action]]:
-    """``actions`` with the last ``B`` of each stage whose upstream stage is on another rank
-    run as ``I`` then ``W`` (the same gradients, and the same hooks, as the whole backward:
-    ``seqpipe.core.split_backward``).
+    """``actions`` with the last backward of each stage whose upstream stage is on another
+    rank, where it is a ``B``, run as ``I`` then ``W`` (the same gradients, and the same
+    hooks, as the whole backward: ``seqpipe.core.split_backward``). A stage whose last
+    backward is split already (``I`` ... ``W``) is left as it is: splitting an earlier
+    ``B`` would take nothing off the end of the step.
 
     Why: at the end of a step the upstream rank waits for that backward's input gradients,
     and then runs its own last backward, which the rank after it waits for in turn. The
@@ -138,14 +143,15 @@ def split_tails(actions: Sequence[Sequence[Action]], placement: Placement) -> Li
     """
     out: List[List[Action]] = []
     for rank, order in enumerate(actions):
-        last: Dict[int, int] = {}  # stage -> index of its last B
+        last: Dict[int, int] = {}  # stage -> index of its last backward (B or I)
         for n, action in enumerate(order):
             s = action.stage
             assert s is not None
-            if action.phase is Phase.BACKWARD and s > 0 and placement.rank_of(s - 1) != rank:
+            if action.phase in _SENDS_GRADIENT and s > 0 and placement.rank_of(s - 1) != rank:
                 last[s] = n
         split = list(order)
-        for n in sorted(last.values(), reverse=True):
+        for n in sorted((n for n in last.values() if order[n].phase is Phase.BACKWARD),
+                        reverse=True):
             i, s = split[n].microbatch, split[n].stage
             split[n:n + 1] = [Action(Phase.BACKWARD_INPUT, i, s),
                               Action(Phase.BACKWARD_WEIGHT, i, s)]

@@ -12,7 +12,9 @@ would deadlock; :func:`simulate` replays one with costs. Package layout: ``actio
 ``placement.py``, ``protocol.py`` (the data); ``fill_drain.py``, ``one_f_one_b.py``,
 ``zero_bubble.py``, ``dualpipe.py`` (the built-in families); ``registry.py`` (their
 names); ``checks.py`` and ``replay.py`` (the validator and the simulator on schedule
-objects); ``auto.py`` (``Auto``, which simulates the built-ins); ``lookup.py``
+objects); ``costs.py`` (measured per-stage costs); ``join.py`` (``join_splits``: a split
+backward joined into ``B`` where it fills no wait); ``auto.py`` (``Auto``, which simulates
+the built-ins and their joined forms); ``lookup.py``
 (``get_schedule``: names, ``"auto"`` included); ``validate.py`` and ``simulate.py`` (the
 public entries, taking names too).
 """
@@ -30,9 +32,11 @@ from seqpipe.schedule.action import (
     forward,
     forward_phase,
 )
-from seqpipe.schedule.auto import Auto, AutoChoice, Costs, Prediction
+from seqpipe.schedule.auto import Auto, AutoChoice, Prediction
+from seqpipe.schedule.costs import Costs
 from seqpipe.schedule.dualpipe import DualPipeV
 from seqpipe.schedule.fill_drain import FillDrain, LoopedBFS
+from seqpipe.schedule.join import Orders, join_splits, joined
 from seqpipe.schedule.lookup import get_schedule
 from seqpipe.schedule.one_f_one_b import Interleaved1F1B, OneFOneB
 from seqpipe.schedule.placement import Placement
@@ -70,6 +74,7 @@ __all__ = [
     "InterleavedZeroBubble",
     "LoopedBFS",
     "OneFOneB",
+    "Orders",
     "Phase",
     "Placement",
     "Prediction",
@@ -88,6 +93,8 @@ __all__ = [
     "forward",
     "forward_phase",
     "get_schedule",
+    "join_splits",
+    "joined",
     "placement_of",
     "rank_orders",
     "simulate",

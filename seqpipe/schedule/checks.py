@@ -25,7 +25,7 @@ from seqpipe.schedule.action import Action, Phase
 from seqpipe.schedule.placement import Placement
 from seqpipe.schedule.protocol import AnySchedule, ScheduleError, rank_orders
 
-__all__ = ["CheckedOrders", "check", "collect", "walk"]
+__all__ = ["CheckedOrders", "check", "collect", "encode", "walk"]
 
 # Kinds of action, as small ints for the walk.
 FWD, FULL, INPUT, WEIGHT = range(4)
@@ -167,6 +167,16 @@ def collect(schedule: AnySchedule, num_ranks: int, num_microbatches: int, *,
     grad_kind = [FULL if pos >= 0 else INPUT for pos in positions.at[FULL]]
     links = [_link(row, placement.num_stages, m) for row in rows]
     return CheckedOrders(placement, m, orders, links, grad_kind)
+
+
+def encode(orders: Sequence[Sequence[Action]], placement: Placement, m: int) -> CheckedOrders:
+    """The walk encoding of orders already checked (every action naming its stage): for a
+    caller that replays many variants of one checked schedule (``join_splits``), without
+    the checks. ``grad_kind`` is left empty: only a deadlock's message reads it."""
+    stages = placement.num_stages
+    rows = [_link([(_KIND[a.phase], a.stage * m + a.microbatch) for a in row],  # type: ignore
+                  stages, m) for row in orders]
+    return CheckedOrders(placement, m, [list(row) for row in orders], rows, [])
 
 
 def _link(row: list[tuple[int, int]], num_stages: int,

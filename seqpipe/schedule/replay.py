@@ -13,11 +13,11 @@ from numbers import Real
 from typing import Optional, Union
 
 from seqpipe.schedule.action import Action, Phase
-from seqpipe.schedule.checks import collect, walk
+from seqpipe.schedule.checks import CheckedOrders, collect, walk
 from seqpipe.schedule.placement import Placement
 from seqpipe.schedule.protocol import AnySchedule
 
-__all__ = ["Cost", "Simulation", "replay"]
+__all__ = ["Cost", "Simulation", "replay", "replay_table"]
 
 Cost = Union[float, Sequence[float]]
 
@@ -139,8 +139,14 @@ def replay(schedule: AnySchedule, num_ranks: int, num_microbatches: int,
     """:func:`~seqpipe.schedule.simulate` of a schedule object; ``costs``: its
     ``forward_cost``, ``backward_cost``, ``input_cost`` and ``weight_cost``."""
     plan = collect(schedule, num_ranks, num_microbatches)
-    stages = plan.placement.num_stages
-    cost = _costs(stages, **costs)  # type: ignore[arg-type]
+    return replay_table(plan, _costs(plan.placement.num_stages, **costs))  # type: ignore
+
+
+def replay_table(plan: CheckedOrders, cost: Sequence[Sequence[float]]) -> Simulation:
+    """The replay of checked orders with a cost table: ``cost[kind][stage]`` per kind
+    ``F``, ``B``, ``I``, ``W`` (``Costs.table()``; there ``B`` need not be ``I + W``)."""
+    stages, num_microbatches = plan.placement.num_stages, plan.num_microbatches
+    num_ranks = plan.placement.num_ranks
     starts = walk(plan, cost)
     m = num_microbatches
     timeline = [
