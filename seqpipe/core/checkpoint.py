@@ -23,8 +23,8 @@ from seqpipe.core.split_backward import reachable
 from seqpipe.trace import hooks
 from seqpipe.trace.events import EventKind
 
-__all__ = ["MODES", "ReentrantCheckpointError", "Replay", "check_mode", "checkpoint_stop",
-           "checkpointed", "first_pass", "is_checkpointing", "is_recomputing",
+__all__ = ["MODES", "NOTHING", "ReentrantCheckpointError", "Replay", "check_mode",
+           "checkpoint_stop", "checkpointed", "first_pass", "is_checkpointing", "is_recomputing",
            "refusing_reentrant", "run_task"]
 
 MODES = ("always", "except_last", "never")
@@ -96,11 +96,11 @@ def _recompute(label: Optional[hooks.Label]) -> ContextManager[Any]:
     return hooks.OFF if label is None else hooks.span(EventKind.RECOMPUTE, *label)
 
 
-_NOTHING: ContextManager[None] = nullcontext()  # reentrant and reusable: one for every task
+NOTHING: ContextManager[None] = nullcontext()  # reentrant and reusable: one for every task
 
 
 def _rng(seed: Optional[int]) -> ContextManager[None]:
-    return _NOTHING if seed is None or seed == NO_DRAWS else isolated_rng(seed)
+    return NOTHING if seed is None or seed == NO_DRAWS else isolated_rng(seed)
 
 
 @contextmanager

@@ -6,7 +6,6 @@ micro-batch's forward and backward.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import ContextManager, Dict, List, Optional, Tuple
 
@@ -15,7 +14,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from seqpipe.core.boundary import Received, wants_grad
-from seqpipe.core.checkpoint import Replay
+from seqpipe.core.checkpoint import NOTHING, Replay
 from seqpipe.core.entry import Entry
 from seqpipe.core.microbatch import Batch
 from seqpipe.core.saved import SavedTensors
@@ -24,8 +23,6 @@ from seqpipe.core.split_backward import SplitBackward
 from seqpipe.skip.tracker import SkipKey
 
 __all__ = ["Pending", "Sent", "TaskState", "edge_of", "gradient_edge"]
-
-_NOTHING: ContextManager[None] = nullcontext()  # reentrant and reusable: one for every task
 
 
 @dataclass
@@ -67,7 +64,7 @@ class TaskState:
     def recording(self) -> ContextManager[None]:
         """Around more of this micro-batch's forward (the loss on the last stage): what it
         saves is held with the rest, so that a split backward frees it after ``I``."""
-        return self.saved.recording() if self.saved is not None else _NOTHING
+        return self.saved.recording() if self.saved is not None else NOTHING
 
 
 @dataclass
